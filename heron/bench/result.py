@@ -1,0 +1,85 @@
+"""Result files: a run's configuration (engine, model, flags, machine, date) plus its runs, as JSON."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from heron.errors import ConfigError
+
+FORMAT = "heron-bench/1"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return round(pages * size / 2**30, 1)
+
+
+def _gpus() -> list[str]:
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on: CPU model, core count, memory, GPUs, OS, Python."""
+    return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory_gib": _memory_gib(), "gpus": _gpus(),
+            "os": platform.platform(), "python": platform.python_version(), "hostname": platform.node()}
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601, to the second."""
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def make_result(kind: str, config: dict, runs: list[dict]) -> dict:
+    """A result document with the machine and date filled in."""
+    return {"format": FORMAT, "kind": kind, "date": now_iso(), "machine": machine_info(), "config": config,
+            "runs": runs}
+
+
+def save_result(result: dict, path: str | Path) -> Path:
+    """Write ``result`` as indented JSON, creating parent directories."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def load_result(path: str | Path) -> dict:
+    """Read a result file written by ``heron bench serve --save-result``; ConfigError if it is not one."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read result file {path}: {e}") from e
+    if not isinstance(result, dict) or result.get("format") != FORMAT or not result.get("runs"):
+        raise ConfigError(f"{path} is not a heron bench result (expected format {FORMAT!r} with runs)")
+    return result
+
+
+def engine_label(result: dict) -> str:
+    """The engine name a result is shown under."""
+    return str(result.get("config", {}).get("label") or result.get("config", {}).get("engine") or "unknown")

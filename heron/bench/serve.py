@@ -1,0 +1,152 @@
+"""The load generator: send a dataset's requests to an endpoint with a given arrival process and concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from heron.bench.client import RequestConfig, RequestRecord, send_request
+from heron.bench.datasets import SampleRequest
+from heron.bench.metrics import summarize
+from heron.errors import ConfigError
+
+
+@dataclass
+class LoadShape:
+    """How requests arrive: ``request_rate`` per second (inf: all at once), gamma-shaped by ``burstiness``."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Reject impossible load shapes."""
+        if not self.request_rate > 0:
+            raise ConfigError(f"--request-rate must be > 0 (or inf), got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ConfigError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ConfigError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+
+
+@dataclass
+class RunResult:
+    """One run's records, wall time and the most requests it ever had in flight."""
+
+    shape: LoadShape
+    records: list[RequestRecord]
+    duration_s: float
+    peak_in_flight: int
+
+    def to_json(self, slos: dict[str, float] | None = None) -> dict:
+        """The run as stored in a result file: its load shape, summary and every per-request record."""
+        rate = self.shape.request_rate
+        return {"max_concurrency": self.shape.max_concurrency,
+                "request_rate": rate if math.isfinite(rate) else "inf",
+                "burstiness": self.shape.burstiness,
+                "peak_in_flight": self.peak_in_flight,
+                "summary": summarize(self.records, self.duration_s, slos),
+                "requests": [asdict(r) for r in self.records]}
+
+
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Send times (seconds from the start) of ``n`` requests: gaps are Gamma(burstiness, 1/(rate*burstiness)).
+
+    The mean gap is ``1/rate`` whatever the burstiness; burstiness 1 is a Poisson process, lower is burstier.
+    An infinite rate sends everything at time 0.
+    """
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    return np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n else np.zeros(0)
+
+
+class _InFlight:
+    """Counts requests in flight and remembers the peak."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def enter(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+
+def _session(limit: int | None) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=limit or 0)
+    return aiohttp.ClientSession(connector=connector, read_bufsize=8 << 20, trust_env=False)
+
+
+async def run_load(cfg: RequestConfig, requests: list[SampleRequest], shape: LoadShape, tokenizer=None,
+                   progress: bool = True, desc: str = "benchmark") -> RunResult:
+    """Send ``requests`` following ``shape``; never more than ``shape.max_concurrency`` at once."""
+    shape.validate()
+    times = arrival_times(len(requests), shape.request_rate, shape.burstiness, shape.seed)
+    limit = asyncio.Semaphore(shape.max_concurrency or len(requests) or 1)
+    in_flight = _InFlight()
+    bar = tqdm(total=len(requests), desc=desc, disable=not progress, unit="req")
+
+    async def one(session: aiohttp.ClientSession, req: SampleRequest) -> RequestRecord:
+        async with limit:
+            in_flight.enter()
+            try:
+                return await send_request(session, cfg, req.prompt, req.prompt_len, req.expected_output_len,
+                                          start, tokenizer)
+            finally:
+                in_flight.leave()
+                bar.update(1)
+
+    async with _session(shape.max_concurrency) as session:
+        start = time.perf_counter()
+        tasks = []
+        for req, at in zip(requests, times):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(session, req)))
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+    bar.close()
+    return RunResult(shape, records, duration, in_flight.peak)
+
+
+async def probe_server(cfg: RequestConfig) -> dict:
+    """GET /v1/models; returns the first model entry ({} if the list is empty). Raises ConfigError if unreachable."""
+    url = cfg.base_url.rstrip("/") + "/v1/models"
+    try:
+        async with _session(1) as session, session.get(url, headers=cfg.headers(),
+                                                       timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            if resp.status != 200:
+                raise ConfigError(f"{url} answered HTTP {resp.status}: {(await resp.text())[:200]}")
+            data = (await resp.json()).get("data") or [{}]
+            return data[0]
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ConfigError(f"cannot reach the server at {cfg.base_url} ({e!r}); is it running?") from e
+
+
+async def run_sweep(cfg: RequestConfig, requests: list[SampleRequest], shapes: list[LoadShape], warmup: int = 0,
+                    tokenizer=None, progress: bool = True) -> list[RunResult]:
+    """Run each load shape on its own slice of ``requests`` (after ``warmup`` unrecorded ones)."""
+    per_run = (len(requests) - warmup) // max(len(shapes), 1)
+    if per_run < 1:
+        raise ConfigError("not enough prompts for the warmup and every sweep point")
+    if warmup:
+        first = LoadShape(max_concurrency=shapes[0].max_concurrency)
+        await run_load(cfg, requests[:warmup], first, tokenizer, progress, desc="warmup")
+    results = []
+    for i, shape in enumerate(shapes):
+        chunk = requests[warmup + i * per_run: warmup + (i + 1) * per_run]
+        desc = f"concurrency {shape.max_concurrency or 'unbounded'}"
+        results.append(await run_load(cfg, chunk, shape, tokenizer, progress, desc=desc))
+    return results

@@ -1,0 +1,112 @@
+"""Engine configuration: one dataclass that the command line is generated from."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from heron.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count such as ``2GiB``, ``512MB`` or ``1073741824``."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"cannot parse size {text!r}; use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _flag(help: str, **kw):
+    return field(metadata={"help": help, **kw.pop("meta", {})}, **kw)
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine. ``add_cli_args``/``from_cli_args`` map it to vLLM-named flags."""
+
+    model: str = _flag("model: a local HF directory, a .gguf file, an HF cache id (org/name), "
+                       f"or the built-in '{DEFAULT_MODEL}'", default=DEFAULT_MODEL)
+    tokenizer: str | None = _flag("tokenizer path (defaults to the model's)", default=None)
+    served_model_name: str | None = _flag("model name the API reports (defaults to --model)", default=None)
+    dtype: str = _flag("weight/activation dtype: auto, float32, bfloat16, float16", default="auto",
+                       meta={"choices": ["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16"]})
+    device: str = _flag("device: auto, cpu or cuda", default="auto", meta={"choices": ["auto", "cpu", "cuda"]})
+    seed: int = _flag("global random seed", default=0)
+    max_model_len: int | None = _flag("maximum context length (prompt + output); defaults to the model's", default=None)
+    block_size: int = _flag("tokens per KV-cache block", default=16)
+    gpu_memory_utilization: float = _flag("fraction of GPU memory heron may use (CUDA)", default=0.9)
+    kv_cache_memory: str | None = _flag("KV-cache budget in bytes, e.g. 2GiB (CPU default: 1GiB; overrides "
+                                        "--gpu-memory-utilization on CUDA)", default=None)
+    num_gpu_blocks_override: int | None = _flag("use exactly this many KV blocks (testing)", default=None)
+    kv_cache_dtype: str = _flag("KV-cache dtype: auto (= model dtype)", default="auto")
+    max_num_seqs: int = _flag("maximum sequences in one batch", default=256)
+    max_num_batched_tokens: int = _flag("token budget of one engine step (chunked prefill above it)", default=2048)
+    enable_prefix_caching: bool = _flag("automatic prefix caching", default=True)
+    enable_chunked_prefill: bool = _flag("split long prompts over several steps", default=True)
+    tensor_parallel_size: int = _flag("tensor-parallel degree", default=1)
+    quantization: str | None = _flag("weight quantization method", default=None)
+    enforce_eager: bool = _flag("accepted for vLLM compatibility (heron always runs eagerly)", default=False)
+    speculative_model: str | None = _flag("draft model for speculative decoding", default=None)
+    num_speculative_tokens: int | None = _flag("tokens proposed per speculative step", default=None)
+    speculative_config: str | None = _flag("speculative decoding config as JSON", default=None)
+    chat_template: str | None = _flag("Jinja chat template, or a file holding one", default=None)
+    max_waiting_requests: int = _flag("bound on queued requests; beyond it new ones are refused (503)", default=1024)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Reject values heron cannot honour, with a message saying what to do."""
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
+        unbuilt = {
+            "--tensor-parallel-size > 1": self.tensor_parallel_size != 1,
+            "--quantization": self.quantization not in (None, "", "none"),
+            "--kv-cache-dtype other than auto": self.kv_cache_dtype not in ("auto",),
+            "--speculative-model / --speculative-config": bool(self.speculative_model or self.speculative_config),
+            "--num-speculative-tokens": self.num_speculative_tokens not in (None, 0),
+        }
+        for name, used in unbuilt.items():
+            if used:
+                raise ConfigError(f"{name} is not supported by this version of heron yet")
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Add one ``--flag`` per field, named as vLLM names them."""
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kw = {"help": f.metadata["help"] + f" (default: {f.default})", "default": f.default, "dest": f.name}
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+                continue
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            base = f.type.split(" |")[0] if isinstance(f.type, str) else f.type
+            kw["type"] = {"int": int, "float": float}.get(base, str)
+            parser.add_argument(flag, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

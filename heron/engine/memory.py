@@ -1,0 +1,70 @@
+"""Device and dtype selection, and how many KV blocks fit in the memory budget."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from heron.config import EngineConfig
+from heron.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when a GPU is present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on the CPU (fastest and exact there) and bfloat16 on a GPU that has it."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def kv_cache_budget(config: EngineConfig, device: torch.device, activation_peak_bytes: int = 0,
+                    mem_get_info: Callable[[], tuple[int, int]] | None = None) -> int:
+    """Bytes the KV pool may take.
+
+    CPU: ``--kv-cache-memory`` (default 1 GiB). CUDA: ``--kv-cache-memory`` if given, else
+    ``gpu_memory_utilization * total - used_now - activation_peak``, where ``used_now`` is measured after
+    the weights are loaded and ``activation_peak`` by a profiling forward.
+    """
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    free, total = (mem_get_info or torch.cuda.mem_get_info)()
+    budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_peak_bytes
+    if budget <= 0:
+        raise ConfigError(
+            f"no GPU memory left for the KV cache: {config.gpu_memory_utilization:.0%} of "
+            f"{total / 2**30:.1f} GiB is already taken by weights and activations; raise "
+            "--gpu-memory-utilization or lower --max-num-batched-tokens")
+    return budget
+
+
+def num_kv_blocks(config: EngineConfig, budget_bytes: int, bytes_per_block: int, max_model_len: int) -> int:
+    """Blocks that fit the budget, capped at what ``max_num_seqs`` full-length sequences could ever use."""
+    if config.num_gpu_blocks_override:
+        return config.num_gpu_blocks_override
+    blocks = budget_bytes // bytes_per_block
+    cap = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if blocks < 1:
+        raise ConfigError(f"the KV-cache budget ({budget_bytes} bytes) holds no block of {bytes_per_block} "
+                          "bytes; raise --kv-cache-memory")
+    return min(blocks, cap)

@@ -1,0 +1,144 @@
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm), on heron's shared layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from heron.layers.activation import SiluAndMul
+from heron.layers.attention import AttentionMetadata, PagedAttention
+from heron.layers.linear import Linear, MergedLinear
+from heron.layers.norm import RMSNorm
+from heron.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, rotary, qkv_bias, qk_norm)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer over a flattened token batch; ``compute_logits`` runs the LM head."""
+
+    # checkpoint name -> (heron parameter name, shard of the merged weight)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        model_type = config.model_type
+        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        qk_norm = model_type == "qwen3"
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, qkv_bias, qk_norm)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_weights()
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (again after moving off meta)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of heron parameters that were filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = None
+            for ckpt_name, (merged, shard_id) in self.packed_modules.items():
+                if f".{ckpt_name}." in name:
+                    name, shard = name.replace(ckpt_name, merged), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"unexpected weight {name!r} in checkpoint")
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            loader = getattr(owner, "weight_loader", None)
+            if loader is not None:
+                loader(params[name], tensor, shard)
+            else:
+                params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: render the chat template, generate ``n`` choices, stream or answer whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from heron.engine.async_engine import RequestStream
+from heron.engine.outputs import CompletionOutput, RequestOutput
+from heron.errors import InvalidRequestError
+from heron.sampling.sampler import TokenLogprobs
+from heron.server.http_errors import stream_error
+from heron.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from heron.server.serving import Serving, new_request_id, usage_of
+from heron.server.streaming import SSE_DONE, EventStreamResponse, sse, wait_for_request
+
+
+class Chat:
+    """Serves the chat completions API."""
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def render(self, messages: list[ChatMessage]) -> str:
+        """The prompt text of ``messages`` under the model's chat template."""
+        dicts = [m.to_dict() for m in messages]
+        try:
+            return self.serving.engine.apply_chat_template(dicts)
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"the chat template rejected these messages: {e}", param="messages") from e
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        params = req.to_sampling_params()
+        prompt = await self.render(req.messages)
+        request_id = new_request_id("chatcmpl")
+        streams = await self.serving.open([prompt], params, request_id, req.priority)
+        if req.stream:
+            return EventStreamResponse(self._stream(req, request_id, streams[0], params.n),
+                                       on_close=lambda: self.serving.close(streams))
+        try:
+            final = await wait_for_request(raw, self._collect(streams))
+        finally:
+            self.serving.close(streams)
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+        response = ChatCompletionResponse(id=request_id, model=self.serving.model_name, choices=choices,
+                                          usage=usage_of([final]))
+        return JSONResponse(response.model_dump())
+
+    async def _collect(self, streams: list[RequestStream]) -> RequestOutput:
+        final = None
+        async for _, out in self.serving.outputs(streams):
+            final = out
+        return final
+
+    def _logprobs(self, lps: list[TokenLogprobs] | None) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> dict:
+            token = self.serving.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        content = [ChatTokenLogprob(**entry(lp.token_id, lp.logprob),
+                                    top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
+                   for lp in lps or [] if lp is not None]
+        return ChatLogprobs(content=content)
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, stream: RequestStream, n: int
+                      ) -> AsyncIterator[str]:
+        created = int(time.time())
+        chunk = self._chunker(request_id, created)
+        sent_text = [0] * n
+        sent_tokens = [0] * n
+        done: set[int] = set()
+        final = None
+        try:
+            yield sse(chunk([_choice(i, {"role": "assistant", "content": ""}) for i in range(n)]))
+            async for _, final in self.serving.outputs([stream]):
+                choices = [self._delta(c, sent_text, sent_tokens, req.logprobs) for c in final.outputs
+                           if c.index not in done and (len(c.text) > sent_text[c.index] or c.finished)]
+                done.update(c.index for c in final.outputs if c.finished)
+                if choices:
+                    yield sse(chunk(choices))
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse(chunk([], usage_of([final]).model_dump()))
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
+            yield sse(stream_error(e))
+        yield SSE_DONE
+
+    def _delta(self, c: CompletionOutput, sent_text: list[int], sent_tokens: list[int], logprobs: bool) -> dict:
+        choice = _choice(c.index, {"content": c.text[sent_text[c.index]:]}, c.finish_reason)
+        choice["stop_reason"] = c.stop_reason
+        if logprobs:
+            choice["logprobs"] = self._logprobs((c.logprobs or [])[sent_tokens[c.index]:]).model_dump()
+        sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+        return choice
+
+    def _chunker(self, request_id: str, created: int):
+        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.serving.model_name, "choices": choices, "usage": usage}
+
+        return chunk
+
+
+def _choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+

@@ -1,0 +1,111 @@
+"""Errors as OpenAI shapes them: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from heron.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    HeronError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from heron.server.streaming import ClientDisconnected
+
+logger = logging.getLogger("heron.server")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, raised by route code (unknown model, bad key, ...)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None
+               ) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Map any exception to the API error a client should see; unknown ones are logged and hidden."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), exc.param, "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="overloaded")
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), code="engine_dead")
+    if isinstance(exc, HeronError):
+        return APIError(400, str(exc))
+    logger.error("internal error", exc_info=exc)
+    return APIError(500, "internal server error; see the server log", code="internal_error")
+
+
+def stream_error(exc: Exception) -> dict[str, Any]:
+    """The in-band error event of a stream whose HTTP status was already sent."""
+    err = as_api_error(exc)
+    return error_body(err.status, err.message, err.param, err.code)
+
+
+def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable one-line message (and the first offending field) for a pydantic validation failure."""
+    parts, param = [], None
+    for err in exc.errors()[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+        field = ".".join(loc)
+        param = param or field or None
+        if err.get("type") == "missing":
+            parts.append(f"missing required field '{field}'")
+        else:
+            got = err.get("input")
+            shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
+            parts.append(f"{field or 'body'}: {err.get('msg')} (got {shown[:80]})")
+    return "invalid request: " + "; ".join(parts), param
+
+
+async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = describe_validation(exc)
+    return error_response(400, message, param)
+
+
+async def _on_http(request: Request, exc: HTTPException) -> Response:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ClientDisconnected):
+        return Response(status_code=499)
+    err = as_api_error(exc)
+    return error_response(err.status, err.message, err.param, err.code)
+
+
+def install_handlers(app) -> None:
+    """Make every error the app can raise answer in OpenAI's JSON shape."""
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(HTTPException, _on_http)
+    app.add_exception_handler(Exception, _on_error)
+    app.add_exception_handler(HeronError, _on_error)
+    app.add_exception_handler(APIError, _on_error)
+    app.add_exception_handler(ClientDisconnected, _on_error)

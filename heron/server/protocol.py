@@ -1,0 +1,294 @@
+"""OpenAI request and response models (plus vLLM's extra sampling fields), and their mapping to SamplingParams."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from heron.errors import InvalidRequestError
+from heron.sampling_params import GuidedDecodingParams, SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class JsonSchema(_Model):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class _SamplingRequest(_Model):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extras
+    best_of: int | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int = 0
+
+    def _guided(self) -> GuidedDecodingParams | None:
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return GuidedDecodingParams(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+                                          param="response_format")
+            return GuidedDecodingParams(json=fmt.json_schema.schema_)
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        if not guided:
+            return None
+        if isinstance(guided.get("json"), str):
+            try:
+                guided["json"] = json.loads(guided["json"])
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"guided_json is not valid JSON: {e}", param="guided_json") from e
+        return GuidedDecodingParams(**guided)
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError as e:
+                raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
+                                          param="logit_bias") from e
+        return SamplingParams(
+            n=self.n, best_of=self.best_of,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids, guided_decoding=self._guided(), **extra)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p or any(len(x) == 0 for x in p):
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return list(p)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix is not None:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        extra = {"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}
+        return self._sampling_params(self.max_tokens, self.logprobs, **extra)
+
+
+class ContentPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "heron"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
