@@ -87,7 +87,7 @@ def _random_requests(spec: DatasetSpec, tokenizer, rng: np.random.Generator) -> 
     in_lens = _lengths(spec.input_len, spec.range_ratio, spec.num_prompts, rng)
     out_lens = _lengths(spec.output_len, spec.range_ratio, spec.num_prompts, rng)
     requests = []
-    for n_in, n_out in zip(in_lens, out_lens):
+    for n_in, n_out in zip(in_lens, out_lens, strict=True):
         text, n = random_text(tokenizer, int(n_in), rng, vocab)
         requests.append(SampleRequest(text, n, int(n_out)))
     return requests
@@ -100,7 +100,7 @@ def _prefix_requests(spec: DatasetSpec, tokenizer, rng: np.random.Generator) -> 
     in_lens = _lengths(spec.input_len, spec.range_ratio, spec.num_prompts, rng)
     out_lens = _lengths(spec.output_len, spec.range_ratio, spec.num_prompts, rng)
     requests = []
-    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
+    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens, strict=True)):
         suffix = random_text(tokenizer, int(n_in), rng, vocab)[0]
         prompt = prefixes[i % spec.num_prefixes] + "\n" + suffix
         requests.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), int(n_out)))

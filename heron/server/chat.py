@@ -34,7 +34,7 @@ class Chat:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    async def render(self, messages: list[ChatMessage]) -> str:
+    def render(self, messages: list[ChatMessage]) -> str:
         """The prompt text of ``messages`` under the model's chat template."""
         dicts = [m.to_dict() for m in messages]
         try:
@@ -44,7 +44,7 @@ class Chat:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         params = req.to_sampling_params()
-        prompt = await self.render(req.messages)
+        prompt = self.render(req.messages)
         request_id = new_request_id("chatcmpl")
         streams = await self.serving.open([prompt], params, request_id, req.priority)
         if req.stream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -68,21 +69,30 @@ def stream_error(exc: Exception) -> dict[str, Any]:
 
 
 def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A readable one-line message (and the first offending field) for a pydantic validation failure."""
-    parts, param = [], None
-    for err in exc.errors()[:3]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    """A readable one-line message (and the offending field) for a pydantic validation failure."""
+    errors = exc.errors()
+    for err in errors:
         if err.get("type") == "json_invalid":
             return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        field = ".".join(loc)
-        param = param or field or None
+    locs = [[str(x) for x in err.get("loc", ()) if x != "body"] for err in errors]
+    common = os.path.commonprefix(locs)
+    if len(errors) > 1 and common:  # one field failing every member of a union type
+        field = ".".join(common)
+        kinds = sorted({loc[len(common)] for loc in locs if len(loc) > len(common)})
+        return f"invalid request: {field}: expected {' or '.join(kinds)} (got {_shown(errors[0])})", field
+    parts = []
+    for err, loc in zip(errors[:3], locs, strict=False):
+        field = ".".join(loc) or "body"
         if err.get("type") == "missing":
             parts.append(f"missing required field '{field}'")
         else:
-            got = err.get("input")
-            shown = repr(got) if not isinstance(got, dict | list) else type(got).__name__
-            parts.append(f"{field or 'body'}: {err.get('msg')} (got {shown[:80]})")
-    return "invalid request: " + "; ".join(parts), param
+            parts.append(f"{field}: {err.get('msg')} (got {_shown(err)})")
+    return "invalid request: " + "; ".join(parts), ".".join(locs[0]) or None
+
+
+def _shown(err: dict) -> str:
+    got = err.get("input")
+    return (type(got).__name__ if isinstance(got, dict | list) else repr(got))[:80]
 
 
 async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:

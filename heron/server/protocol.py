@@ -89,9 +89,11 @@ class _SamplingRequest(_Model):
                 raise InvalidRequestError(f"guided_json is not valid JSON: {e}", param="guided_json") from e
         return GuidedDecodingParams(**guided)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, logprobs_field: str = "logprobs",
+                         **extra: Any) -> SamplingParams:
         if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+            raise InvalidRequestError(f"{logprobs_field} must be at most {MAX_LOGPROBS}, got {logprobs}",
+                                      param=logprobs_field)
         bias = None
         if self.logit_bias:
             try:
@@ -169,7 +171,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, "top_logprobs")
 
 
 class TokenizeRequest(_Model):

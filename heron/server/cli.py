@@ -1,0 +1,70 @@
+"""``heron serve [MODEL]`` and ``python -m heron.entrypoints.openai.api_server``: vLLM's flags, same meanings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from heron.config import DEFAULT_MODEL, EngineConfig
+from heron.errors import ConfigError, HeronError
+
+_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (from EngineConfig) plus the HTTP server's."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model to serve (same as --model)")
+    EngineConfig.add_cli_args(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    server.add_argument("--api-key", default=os.environ.get("HERON_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HERON_API_KEY)")
+    server.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS, help="uvicorn's log level")
+    server.add_argument("--disable-log-requests", action="store_true", help="do not log one line per request")
+    server.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests may run on after SIGTERM before they are aborted")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed serve arguments; the positional MODEL wins over --model."""
+    if args.model_tag is not None:
+        if args.model not in (args.model_tag, DEFAULT_MODEL):
+            raise ConfigError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
+        args.model = args.model_tag
+    return EngineConfig.from_cli_args(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server with parsed arguments; returns the exit code."""
+    from heron.server.api_server import ServerOptions, run_server
+
+    config = config_from_args(args)
+    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
+                            log_requests=not args.disable_log_requests, uvicorn_log_level=args.uvicorn_log_level,
+                            shutdown_timeout=args.shutdown_timeout)
+    run_server(config, options)
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``heron serve``."""
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                   description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_server_args(parser)
+    parser.set_defaults(func=serve)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Parse ``argv`` and serve; user errors print one ``error:`` line and exit 1."""
+    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        sys.exit(serve(args))
+    except HeronError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,81 @@
+"""Server process lifecycle: start-up errors, API key, backpressure, request logs off, SIGTERM mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import _REPO
+
+
+def run_entrypoint(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "heron.entrypoints.openai.api_server", *flags],
+                          capture_output=True, text=True, timeout=120, cwd=_REPO)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size > 1 is not supported"),
+    (["--speculative-model", "draft"], "not supported"),
+    (["--block-size", "3"], "--block-size must be a positive power of two"),
+])
+def test_unbuilt_or_invalid_flags_fail_at_start(flags, expected):
+    proc = run_entrypoint("--model", "whatever", "--port", "1", *flags)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_model_that_fails_to_load_exits_1_with_message(tmp_path):
+    proc = run_entrypoint("--model", str(tmp_path / "no-such-model"), "--host", "127.0.0.1", "--port", "0")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "no-such-model" in proc.stderr
+
+
+def test_key_backpressure_quiet_logs_and_sigterm(launch_server, tiny_model_dir):
+    server = launch_server(tiny_model_dir("llama"), "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                           "--disable-log-requests", "--shutdown-timeout", "2",
+                           env={"HERON_API_KEY": "sekret"}).wait_healthy()
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sekret", max_retries=0, timeout=60)
+
+    async def one() -> int:
+        try:
+            await client.completions.create(model=str(tiny_model_dir("llama")), prompt="Hello there",
+                                            max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+            return 200
+        except openai.APIStatusError as e:
+            assert e.status_code != 503 or e.body["code"] == "overloaded"
+            return e.status_code
+
+    async def burst() -> list[int]:
+        return await asyncio.gather(*(one() for _ in range(8)))
+
+    statuses = asyncio.run(burst())
+    assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}
+    assert " finished: " not in server.log()
+
+    headers = {"Authorization": "Bearer sekret"}
+    body = {"prompt": "A long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    rest = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.proc.send_signal(signal.SIGTERM)
+        try:  # finished within --shutdown-timeout, or cut off by it
+            rest = [line for line in lines if line]
+        except httpx.RemoteProtocolError:
+            pass
+    assert not rest or rest[-1] == "data: [DONE]"
+    start = time.time()
+    assert server.proc.wait(30) == 0, server.log()
+    assert time.time() - start < 30
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health")
