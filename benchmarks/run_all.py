@@ -4,7 +4,7 @@ results, plots and a markdown report.
     python -m benchmarks.run_all [--engines heron,hf,llamacpp] [--concurrency 1,4,16] [--num-prompts 32]
                                  [--input-len 128] [--output-len 64] [--out-dir benchmarks/results/serve]
 
-Each server runs alone on the machine while it is measured; its log goes to OUT_DIR/logs/ENGINE.log.
+Each server runs alone on the machine while it is measured; its log goes to ~/.cache/heron/bench-logs/.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from heron.bench.cli import add_baseline_parser, add_parser
 from heron.bench.cost import cost_rows, cost_table
 from heron.bench.report import markdown_table, plot_results
 from heron.bench.result import load_result, machine_info, now_iso
+from heron.model.default_model import heron_cache_dir
 
 PORTS = {"heron": 8000, "hf": 8001, "llamacpp": 8002}
 
@@ -87,7 +88,7 @@ def run_engine(engine: str, args: argparse.Namespace, out_dir: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     parallel = max(int(c) for c in args.concurrency.split(","))
     cmd = server_command(engine, args.model, port, parallel, args.heron_args.split())
-    logs = out_dir / "logs"
+    logs = heron_cache_dir() / "bench-logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"== {engine}: {' '.join(cmd)}", flush=True)
     with open(logs / f"{engine}.log", "w") as log:
@@ -148,7 +149,7 @@ def main() -> None:
         try:
             run_engine(engine, args, out_dir)
         except (Exception, SystemExit) as e:  # one engine failing must not lose the others' figures
-            print(f"== {engine} failed: {e}; see {out_dir / 'logs' / (engine + '.log')}", flush=True)
+            print(f"== {engine} failed: {e}; see {heron_cache_dir() / 'bench-logs' / (engine + '.log')}", flush=True)
     report = write_report([p for p in results if p.is_file()], args, out_dir)
     print(report.read_text())
     print(json.dumps({"report": str(report)}))

@@ -160,3 +160,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer.chat_template)
+
+
+def heron_logits(llm, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position from one paged prefill."""
+    from heron import SamplingParams
+    from heron.engine.model_runner import RunItem
+
+    engine = llm.engine
+    engine.add_request("probe", prompt, SamplingParams(max_tokens=1))
+    seq = engine.requests["probe"].seqs[0]
+    assert engine.block_manager.allocate_slots(seq, len(prompt))
+    logits = engine.runner.execute([RunItem(seq, len(prompt), len(prompt))])
+    engine.abort_request("probe")
+    engine.step()
+    return logits

@@ -13,7 +13,14 @@ from heron.bench.client import ENDPOINTS, RequestConfig
 from heron.bench.datasets import DATASETS, DatasetSpec, sample_requests
 from heron.errors import ConfigError
 
-_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None, plain switches, and those the help text already states."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _int_list(text: str) -> list[int]:
@@ -48,7 +55,7 @@ def _spec(args: argparse.Namespace, num_prompts: int) -> DatasetSpec:
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", formatter_class=_FORMATTER, help="load-test an OpenAI-compatible endpoint",
+    p = sub.add_parser("serve", formatter_class=_Formatter, help="load-test an OpenAI-compatible endpoint",
                        description="Load-test any OpenAI-compatible server over HTTP (streaming): TTFT, TPOT, "
                        "ITL, end-to-end latency, throughput, goodput and errors.")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL, without /v1")
@@ -122,14 +129,14 @@ def run_serve(args: argparse.Namespace) -> int:
 def _add_offline(sub) -> None:
     from heron.config import EngineConfig
 
-    p = sub.add_parser("throughput", formatter_class=_FORMATTER, help="offline throughput, engine in-process",
+    p = sub.add_parser("throughput", formatter_class=_Formatter, help="offline throughput, engine in-process",
                        description="Generate a whole dataset with heron's LLM in this process; report requests "
                        "and tokens per second.")
     add_dataset_args(p)
     p.add_argument("--save-result", default=None, help="write the JSON result here")
     EngineConfig.add_cli_args(p, skip=("seed",))
     p.set_defaults(func=run_throughput)
-    p = sub.add_parser("latency", formatter_class=_FORMATTER, help="end-to-end latency of one batch",
+    p = sub.add_parser("latency", formatter_class=_Formatter, help="end-to-end latency of one batch",
                        description="Time one batch of random prompts end to end with heron's LLM in-process.")
     p.add_argument("--batch-size", type=int, default=8, help="prompts in the batch")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
@@ -181,13 +188,13 @@ def run_latency(args: argparse.Namespace) -> int:
 
 
 def _add_reports(sub) -> None:
-    p = sub.add_parser("compare", formatter_class=_FORMATTER, help="markdown table + plots of several results",
+    p = sub.add_parser("compare", formatter_class=_Formatter, help="markdown table + plots of several results",
                        description="Compare `heron bench serve --save-result` files side by side: a markdown "
                        "table and PNG plots (throughput vs concurrency, TTFT and TPOT percentiles).")
     p.add_argument("results", nargs="+", metavar="RESULT.json", help="result files, one or more per engine")
     p.add_argument("--out-dir", default=None, help="write comparison.md and the PNG plots here")
     p.set_defaults(func=run_compare)
-    p = sub.add_parser("cost", formatter_class=_FORMATTER, help="$ per million tokens from a measured result",
+    p = sub.add_parser("cost", formatter_class=_Formatter, help="$ per million tokens from a measured result",
                        description="Tokens per day and $ per million tokens at a machine's hourly price, and "
                        "the saving against an API's per-token prices.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -262,11 +269,11 @@ def add_baseline_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("baseline", help="start a baseline server: hf (transformers) or llamacpp",
                               description="Start a baseline server that `heron bench serve` can measure.")
     sub = p.add_subparsers(dest="baseline_command", metavar="{hf,llamacpp}", required=True)
-    hf = sub.add_parser("hf", formatter_class=_FORMATTER, help="naive FastAPI + transformers server",
+    hf = sub.add_parser("hf", formatter_class=_Formatter, help="naive FastAPI + transformers server",
                         description=hf_server.__doc__)
     hf_server.add_arguments(hf)
     hf.set_defaults(func=hf_server.main)
-    lc = sub.add_parser("llamacpp", formatter_class=_FORMATTER, help="llama.cpp's llama-server (built on demand)",
+    lc = sub.add_parser("llamacpp", formatter_class=_Formatter, help="llama.cpp's llama-server (built on demand)",
                         description=llamacpp.__doc__)
     llamacpp.add_arguments(lc)
     lc.set_defaults(func=llamacpp.main)

@@ -45,9 +45,12 @@ def _gpus() -> list[str]:
 
 
 def machine_info() -> dict:
-    """What the numbers were measured on: CPU model, core count, memory, GPUs, OS, Python."""
+    """What the numbers were measured on: CPU model, cores, memory, GPUs, OS, Python, and the load average
+    (1, 5, 15 min) when measured, since other work on the machine skews every figure."""
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory_gib": _memory_gib(), "gpus": _gpus(),
-            "os": platform.platform(), "python": platform.python_version(), "hostname": platform.node()}
+            "os": platform.platform(), "python": platform.python_version(), "hostname": platform.node(),
+            "load_average": load}
 
 
 def now_iso() -> str:

@@ -29,6 +29,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
+    add_special_tokens: bool
     done: Future = field(default_factory=Future)
 
 
@@ -151,14 +152,18 @@ class AsyncEngine:
     # ---- requests (event-loop side) ----
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, add_special_tokens: bool = True) -> RequestStream:
         """Queue a request; raises the engine's validation errors (InvalidRequestError, PromptTooLongError,
-        EngineOverloadedError) before returning the stream of its outputs."""
+        EngineOverloadedError) before returning the stream of its outputs.
+
+        A text prompt is tokenized on the engine thread (``add_special_tokens=False`` for rendered chats,
+        whose template already holds them); outputs then carry ``prompt=None``.
+        """
         self._check_serving()
         assert request_id not in self._streams, f"duplicate request id {request_id}"
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream.queue
-        command = _Add(request_id, prompt, params, priority)
+        command = _Add(request_id, prompt, params, priority, add_special_tokens)
         self._commands.put(command)
         try:
             await asyncio.wrap_future(command.done)
@@ -268,14 +273,14 @@ class AsyncEngine:
     def _admit(self, command: _Add) -> None:
         """Queue a request; as vLLM's server does, refuse one whose max_tokens cannot fit the context."""
         params, limit = command.params, self.info.max_model_len
-        if params.max_tokens is not None:
-            n = len(self._engine.encode(command.prompt))
-            if n < limit < n + params.max_tokens:
-                raise PromptTooLongError(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-                    "Reduce the prompt or max_tokens.", param="max_tokens")
-        self._engine.add_request(command.request_id, command.prompt, params, priority=command.priority)
+        token_ids = self._engine.encode(command.prompt, add_special_tokens=command.add_special_tokens)
+        n = len(token_ids)
+        if params.max_tokens is not None and n < limit < n + params.max_tokens:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
+                "Reduce the prompt or max_tokens.", param="max_tokens")
+        self._engine.add_request(command.request_id, token_ids, params, priority=command.priority)
 
     def _step(self) -> None:
         try:

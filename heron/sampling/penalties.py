@@ -24,32 +24,38 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Apply every row's penalties in place; rows without penalties are left unchanged."""
+    """Apply every row's penalties in place; rows without penalties are left unchanged.
+
+    Only the entries of tokens a row has seen change, so the work is proportional to the number of prompt and
+    output tokens, not to the vocabulary.
+    """
     params = [r.params for r in rows]
-    if not any(has_penalties(p) for p in params):
+    penalized = [has_penalties(p) for p in params]
+    if not any(penalized):
         return
-    device = logits.device
-    counts = _token_counts(logits, [r.output_token_ids if has_penalties(r.params) else [] for r in rows])
-    output_seen = counts > 0
+    flat = logits.view(-1)
+    vocab = logits.shape[1]
+    output_idx, output_counts = _flat_token_ids(logits, [r.output_token_ids if pen else []
+                                                         for r, pen in zip(rows, penalized, strict=True)])
     repetition = [p.repetition_penalty for p in params]
     if any(r != 1.0 for r in repetition):
-        seen = _token_counts(logits, [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else []
-                                      for r in rows]) > 0
-        seen |= output_seen
-        rep = torch.tensor(repetition, dtype=logits.dtype, device=device).unsqueeze(1)
-        scale = torch.where(seen, rep, torch.ones_like(rep))
-        logits.copy_(torch.where(logits > 0, logits / scale, logits * scale))
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)
-    logits.sub_(counts * frequency.unsqueeze(1) + output_seen * presence.unsqueeze(1))
+        prompt_idx, _ = _flat_token_ids(logits, [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else []
+                                                 for r in rows])
+        seen = torch.cat([prompt_idx, output_idx]).unique()
+        rep = torch.tensor(repetition, dtype=logits.dtype, device=logits.device)[seen // vocab]
+        x = flat[seen]
+        flat[seen] = torch.where(x > 0, x / rep, x * rep)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=logits.device)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=logits.device)
+    row_of = output_idx // vocab
+    flat[output_idx] -= frequency[row_of] * output_counts + presence[row_of]
 
 
-def _token_counts(logits: torch.Tensor, token_lists: list[list[int]]) -> torch.Tensor:
-    """``[rows, vocab]`` counts of each row's tokens, in the logits' dtype."""
-    counts = torch.zeros_like(logits)
-    lengths = torch.tensor([len(t) for t in token_lists], device=logits.device)
-    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=logits.device)
-    if tokens.numel():
-        row_ids = torch.arange(len(token_lists), device=logits.device).repeat_interleave(lengths)
-        counts.index_put_((row_ids, tokens), torch.ones_like(tokens, dtype=logits.dtype), accumulate=True)
-    return counts
+def _flat_token_ids(logits: torch.Tensor, token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ``row * vocab + token`` indices of each row's tokens, and how often each occurs."""
+    device = logits.device
+    lengths = torch.tensor([len(t) for t in token_lists], device=device)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    row_ids = torch.arange(len(token_lists), device=device).repeat_interleave(lengths)
+    idx, counts = (row_ids * logits.shape[1] + tokens).unique(return_counts=True)
+    return idx, counts.to(logits.dtype)

@@ -6,6 +6,7 @@ vocabulary-sized data) and changes the logits with one indexed tensor operation.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
     from heron.sampling.sampler import SamplingRow
 
 _NEG_INF = float("-inf")
+_MASK_CACHE_SIZE = 256
+# allowed_token_ids masks, keyed by the list object (held here, so its id stays unique while cached)
+_masks: OrderedDict[tuple, tuple[list[int], torch.Tensor]] = OrderedDict()
 
 
 def changes_logits(row: SamplingRow) -> bool:
@@ -30,9 +34,7 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> No
     if not limited:
         return
     mask = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    mask[limited] = True
-    pairs = [(i, t) for i in limited for t in rows[i].params.allowed_token_ids]
-    _index_put(mask, pairs, False)
+    mask[limited] = torch.stack([_disallowed(rows[i].params.allowed_token_ids, logits) for i in limited])
     logits.masked_fill_(mask, _NEG_INF)
 
 
@@ -65,6 +67,21 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             biases.append(b)
     if pairs:
         _index_put(logits, pairs, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def _disallowed(allowed: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """The ``[vocab]`` mask of tokens outside ``allowed``, built once per list object and device."""
+    key = (id(allowed), logits.shape[1], logits.device)
+    hit = _masks.get(key)
+    if hit is not None and hit[0] is allowed:
+        _masks.move_to_end(key)
+        return hit[1]
+    mask = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+    mask[torch.tensor(allowed, dtype=torch.long, device=logits.device)] = False
+    _masks[key] = (allowed, mask)
+    if len(_masks) > _MASK_CACHE_SIZE:
+        _masks.popitem(last=False)
+    return mask
 
 
 def _ends_with(tokens: list[int], suffix: list[int]) -> bool:

@@ -1,7 +1,7 @@
 """Temperature, min-p, top-k and top-p on a batch of logits, and Gumbel-max sampling with per-row generators.
 
 Top-k and top-p avoid a full vocabulary sort where they can: the best ``K`` candidates (``topk``) settle every
-row whose kept set fits in them; only the other rows are sorted in full. Kept sets are turned into a per-row
+row whose kept set fits in them; the other rows try ever more candidates, up to a full sort. Kept sets are turned into a per-row
 logit threshold, so ties at the boundary are kept (as vLLM's top-k does).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 _MIN_CANDIDATES = 64
+_GROWTH = 8  # candidates grow 64 -> 512 -> 4096 -> ... -> a full sort, for the rows not settled yet
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -23,20 +24,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     num_rows, vocab = logits.shape
     k = top_k if top_k is not None else torch.full((num_rows,), vocab, device=logits.device)
     p = top_p if top_p is not None else torch.ones(num_rows, device=logits.device)
-    active = (k < vocab) | (p < 1)
+    threshold = logits.new_full((num_rows, 1), float("-inf"))
+    pending = ((k < vocab) | (p < 1)).nonzero().flatten()
     finite_k = k[k < vocab]
     num_cand = min(vocab, max(_MIN_CANDIDATES, int(finite_k.max()) if finite_k.numel() else 0))
-    vals = logits.topk(num_cand, dim=-1).values
-    keep, resolved = _keep_counts(vals, logits, k, p)
-    unresolved = (active & ~resolved).nonzero().flatten()
-    if unresolved.numel():
-        sub = logits[unresolved]
-        sorted_vals = sub.sort(dim=-1, descending=True).values
-        keep[unresolved] = _keep_counts(sorted_vals, sub, k[unresolved], p[unresolved])[0]
-        vals = torch.cat([vals, vals.new_full((num_rows, vocab - num_cand), float("-inf"))], dim=1)
-        vals[unresolved] = sorted_vals
-    threshold = vals.gather(1, (keep - 1).clamp(min=0).unsqueeze(1))
-    threshold.masked_fill_(~active.unsqueeze(1), float("-inf"))
+    while pending.numel():
+        sub = logits[pending]
+        vals = sub.topk(num_cand, dim=-1).values if num_cand < vocab else sub.sort(dim=-1, descending=True).values
+        keep, done = _keep_counts(vals, sub, k[pending], p[pending])
+        threshold[pending[done]] = vals[done].gather(1, (keep[done] - 1).clamp(min=0).unsqueeze(1))
+        pending = pending[~done]
+        num_cand = min(vocab, num_cand * _GROWTH)
     logits.masked_fill_(logits < threshold, float("-inf"))
 
 
@@ -50,7 +48,10 @@ def _keep_counts(vals: torch.Tensor, logits: torch.Tensor, k: torch.Tensor,
     if bool((p < 1).any()):
         cand = vals.masked_fill(positions >= k.unsqueeze(1), float("-inf"))
         # top-p renormalizes over the top-k set; a row without top-k normalizes over the whole vocabulary
-        norm = torch.where(resolved, cand.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+        norm = cand.logsumexp(dim=-1)
+        whole = ~resolved
+        if bool(whole.any()):
+            norm[whole] = logits[whole].logsumexp(dim=-1)
         probs = (cand - norm.unsqueeze(1)).exp()
         mass_before = probs.cumsum(dim=-1) - probs
         nucleus = (mass_before < p.unsqueeze(1)).sum(dim=-1)

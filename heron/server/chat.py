@@ -46,7 +46,7 @@ class Chat:
         params = req.to_sampling_params()
         prompt = self.render(req.messages)
         request_id = new_request_id("chatcmpl")
-        streams = await self.serving.open([prompt], params, request_id, req.priority)
+        streams = await self.serving.open([prompt], params, request_id, req.priority, add_special_tokens=False)
         if req.stream:
             return EventStreamResponse(self._stream(req, request_id, streams[0], params.n),
                                        on_close=lambda: self.serving.close(streams))

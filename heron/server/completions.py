@@ -26,15 +26,17 @@ class Completions:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         params = req.to_sampling_params()
         request_id = new_request_id("cmpl")
-        streams = await self.serving.open(req.prompts(), params, request_id, req.priority)
+        prompts = req.prompts()
+        streams = await self.serving.open(prompts, params, request_id, req.priority)
         if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, streams, params.n),
+            return EventStreamResponse(self._stream(req, request_id, prompts, streams, params.n),
                                        on_close=lambda: self.serving.close(streams))
         try:
             finals = await wait_for_request(raw, self._collect(streams))
         finally:
             self.serving.close(streams)
-        choices = [self._choice(req, out, c, i * params.n) for i, out in enumerate(finals) for c in out.outputs]
+        choices = [self._choice(req, prompts[i], out, c, i * params.n)
+                   for i, out in enumerate(finals) for c in out.outputs]
         response = CompletionResponse(id=request_id, model=self.serving.model_name, choices=choices,
                                       usage=usage_of(finals))
         return JSONResponse(response.model_dump())
@@ -45,18 +47,18 @@ class Completions:
             finals[i] = out
         return finals
 
-    def _choice(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, base: int
-                ) -> CompletionChoice:
+    def _choice(self, req: CompletionRequest, prompt: str | list[int], out: RequestOutput, c: CompletionOutput,
+                base: int) -> CompletionChoice:
         text, logprobs = c.text, None
         if req.echo:
-            text = self._prompt_text(out) + text
+            text = self._prompt_text(prompt) + text
         if req.logprobs is not None:
             logprobs = self._logprobs(out, c.token_ids, c.logprobs, req.echo)
         return CompletionChoice(index=base + c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason)
 
-    def _prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.serving.tokenizer.decode(out.prompt_token_ids)
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.serving.tokenizer.decode(prompt)
 
     def _logprobs(self, out: RequestOutput | None, token_ids: list[int], lps: list[TokenLogprobs] | None,
                   echo: bool, offset: int = 0) -> CompletionLogprobs:
@@ -75,8 +77,8 @@ class Completions:
             offset += len(token)
         return result
 
-    async def _stream(self, req: CompletionRequest, request_id: str, streams: list[RequestStream], n: int
-                      ) -> AsyncIterator[str]:
+    async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[str | list[int]],
+                      streams: list[RequestStream], n: int) -> AsyncIterator[str]:
         created = int(time.time())
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
@@ -93,7 +95,7 @@ class Completions:
                     first = index not in sent_text
                     text = c.text[sent_text.get(index, 0):]
                     if first and req.echo:
-                        text = self._prompt_text(out) + text
+                        text = self._prompt_text(prompts[i]) + text
                     if not text and not c.finished and not first:
                         continue
                     choice = {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason,

@@ -45,7 +45,7 @@ class Serving:
         return self.engine.info.tokenizer
 
     async def open(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
-                   priority: int = 0) -> list[RequestStream]:
+                   priority: int = 0, add_special_tokens: bool = True) -> list[RequestStream]:
         """Queue one engine request per prompt; the engine's validation errors are raised here."""
         if params.n > self.engine.config.max_num_seqs:
             raise InvalidRequestError(f"n must be at most --max-num-seqs ({self.engine.config.max_num_seqs}), "
@@ -54,7 +54,7 @@ class Serving:
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(prompt, params, rid, priority))
+                streams.append(await self.engine.add_request(prompt, params, rid, priority, add_special_tokens))
         except BaseException:
             self.close(streams)
             raise

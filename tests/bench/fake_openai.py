@@ -16,8 +16,8 @@ class FakeConfig:
     """Timing and faults. ``faults`` maps the n-th request the server receives (0-based) to a fault:
     ``"500"`` (HTTP 500), ``"drop"`` (connection closed mid-stream) or ``"hang"`` (never answers in time)."""
 
-    ttft_s: float = 0.1
-    itl_s: float = 0.02
+    ttft_s: float = 0.2
+    itl_s: float = 0.03
     send_usage: bool = True
     faults: dict[int, str] = field(default_factory=dict)
     hang_s: float = 3.0

@@ -70,3 +70,15 @@ def test_bad_sharegpt_files_raise(tmp_path, content):
 def test_bad_specs_raise(spec):
     with pytest.raises(ConfigError):
         spec.validate()
+
+
+def test_load_tokenizer_resolves_directories_and_rejects_unknown_names(tokenizer_dir, tmp_path):
+    from heron.bench.resolve import load_tokenizer, resolve_model_files
+
+    assert load_tokenizer(str(tokenizer_dir)).encode("w3 w4", add_special_tokens=False) == [7, 8]
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    files = resolve_model_files(str(gguf))
+    assert (files.directory, files.gguf_file, files.hf_kwargs()) == (tmp_path, "m.gguf", {"gguf_file": "m.gguf"})
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        resolve_model_files("no-such-model-anywhere")

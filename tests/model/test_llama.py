@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import heron_logits
 from transformers import AutoModelForCausalLM
 
 from heron import LLM, SamplingParams
-from heron.engine.model_runner import RunItem
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
-
-
-def heron_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from one paged prefill."""
-    engine = llm.engine
-    engine.add_request("probe", prompt, SamplingParams(max_tokens=1))
-    seq = engine.requests["probe"].seqs[0]
-    assert engine.block_manager.allocate_slots(seq, len(prompt))
-    logits = engine.runner.execute([RunItem(seq, len(prompt), len(prompt))])
-    engine.abort_request("probe")
-    engine.step()
-    return logits
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -23,7 +23,6 @@ from heron.errors import InvalidRequestError, PromptTooLongError
 from heron.sampling.sampler import TokenLogprobs
 from heron.server.api_server import ServerOptions, build_app
 
-
 _REPO = Path(__file__).resolve().parents[2]
 
 
@@ -92,7 +91,7 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_delay)
-        if any("boom" in (r.prompt or "") for r in self.requests.values()):
+        if any("boom" in self.tokenizer.decode(r.prompt_ids) for r in self.requests.values()):
             raise RuntimeError("scripted failure")
         self.max_running = max(self.max_running, len(self.requests))
         now, outputs = time.time(), []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -165,8 +166,6 @@ def create_app(backend: HFBackend):
 
 async def _events(items: AsyncIterator[str | Finish], meta: dict, chat: bool, usage: bool) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with an optional usage chunk and [DONE]."""
-    import json
-
     meta = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
 
     def chunk(text: str | None, reason: str | None) -> str:
