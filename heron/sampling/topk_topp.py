@@ -1,8 +1,8 @@
 """Temperature, min-p, top-k and top-p on a batch of logits, and Gumbel-max sampling with per-row generators.
 
 Top-k and top-p avoid a full vocabulary sort where they can: the best ``K`` candidates (``topk``) settle every
-row whose kept set fits in them; the other rows try ever more candidates, up to a full sort. Kept sets are turned into a per-row
-logit threshold, so ties at the boundary are kept (as vLLM's top-k does).
+row whose kept set fits in them; the other rows try ever more candidates, up to a full sort. Kept sets become
+a per-row logit threshold, so ties at the boundary are kept (as vLLM's top-k does).
 """
 
 from __future__ import annotations
