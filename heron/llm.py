@@ -41,7 +41,7 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             request_id = str(next(self._ids))
             self.engine.add_request(request_id, self._prompt(prompt), p, priority[i] if priority else 0)
             ids.append(request_id)

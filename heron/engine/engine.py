@@ -14,7 +14,7 @@ from heron.engine.memory import kv_cache_budget, num_kv_blocks, resolve_device, 
 from heron.engine.model_runner import ModelRunner, RunItem
 from heron.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from heron.engine.scheduler import Scheduler
-from heron.engine.sequence import Request, Sequence, SeqStatus
+from heron.engine.sequence import Request, SeqStatus, Sequence
 from heron.errors import ConfigError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from heron.model.loader import load_model
 from heron.sampling.sampler import Sampler, SamplingRow, gather_logprobs
@@ -240,7 +240,7 @@ class Engine:
         sampling_rows = [SamplingRow(s.params, s.request.prompt_token_ids, s.output_token_ids, s.generator,
                                      s.grammar) for s in seqs]
         result = self.sampler(logits[rows], sampling_rows)
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
             self._append_token(seq, token, lp, now)
 
     def _append_token(self, seq: Sequence, token: int, lp, now: float) -> None:

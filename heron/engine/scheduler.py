@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from heron.config import EngineConfig
 from heron.engine.block_manager import BlockManager
-from heron.engine.sequence import Sequence, SeqStatus
+from heron.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
