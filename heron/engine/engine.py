@@ -134,6 +134,7 @@ class Engine:
                                      f"{self.block_manager.num_blocks * self.config.block_size}", param="prompt")
         if params.best_of > params.n:
             raise InvalidRequestError("best_of > n is not supported", param="best_of")
+        params.update_from_tokenizer(self.tokenizer)
         params.verify_token_ids(self.vocab_size)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -147,7 +148,7 @@ class Engine:
         if self._structured is None:
             from heron.sampling.structured import StructuredOutputCompiler
 
-            self._structured = StructuredOutputCompiler(self.tokenizer, self.vocab_size)
+            self._structured = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._structured.compile(params.guided_decoding)
 
     def abort_request(self, request_id: str) -> None:

@@ -1,7 +1,8 @@
 """Logit masks and biases that requests ask for: allowed_token_ids, bad_words, min_tokens, logit_bias.
 
 Each function gathers the (row, token) pairs of the whole batch in Python (the rows' own small lists, never
-vocabulary-sized data) and changes the logits with one indexed tensor operation.
+vocabulary-sized data) and changes the logits with one indexed tensor operation; allowed_token_ids masks are
+built once per request (per list object) and cached.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 
 _NEG_INF = float("-inf")
 _MASK_CACHE_SIZE = 256
-# allowed_token_ids masks, keyed by the list object (held here, so its id stays unique while cached)
+# allowed_token_ids masks, keyed by the list object (held here, so its id stays unique while cached); a request's
+# list is not changed while it runs
 _masks: OrderedDict[tuple, tuple[list[int], torch.Tensor]] = OrderedDict()
 
 

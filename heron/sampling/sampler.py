@@ -77,7 +77,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample a token for each row of ``logits`` ([len(rows), vocab]); the input tensor is not modified."""
-        assert logits.shape[0] == len(rows), f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows"
+        assert logits.shape == (len(rows), self.vocab_size), f"logits {tuple(logits.shape)} for {len(rows)} rows"
         assert all(r.params.bad_words_token_ids is not None or not r.params.bad_words for r in rows), \
             "bad_words need params.update_from_tokenizer(tokenizer) before sampling"
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

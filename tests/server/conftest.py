@@ -192,7 +192,9 @@ def fake_server():
 class ServerProcess:
     """``python -m heron.entrypoints.openai.api_server`` in a subprocess on 127.0.0.1, logging to a file."""
 
-    def __init__(self, model: str | Path, *flags: str, log_path: Path, env: dict | None = None) -> None:
+    def __init__(self, model: str | Path, *flags: str, log_path: Path, env: dict | None = None,
+                 kind: str = "") -> None:
+        self.kind = kind
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path

@@ -82,3 +82,18 @@ def test_key_backpressure_quiet_logs_and_sigterm(launch_server, tiny_model_dir):
     assert time.time() - start < 30
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health")
+
+
+def test_serve_takes_model_positionally_or_by_flag():
+    from heron.cli import build_parser
+    from heron.errors import ConfigError
+    from heron.server.cli import config_from_args
+
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["serve", "/models/a", "--port", "9"])).model == "/models/a"
+    assert config_from_args(parser.parse_args(["serve", "--model", "/models/b"])).model == "/models/b"
+    args = parser.parse_args(["serve", "--api-key", "k", "--disable-log-requests", "--max-num-seqs", "3"])
+    assert (args.api_key, args.disable_log_requests, config_from_args(args).max_num_seqs) == ("k", True, 3)
+    assert args.port == 8000 and args.host == "0.0.0.0"
+    with pytest.raises(ConfigError, match="disagree"):
+        config_from_args(parser.parse_args(["serve", "/models/a", "--model", "/models/b"]))
