@@ -20,7 +20,7 @@ from pathlib import Path
 from heron.bench.cli import add_baseline_parser, add_parser
 from heron.bench.cost import cost_rows, cost_table
 from heron.bench.report import markdown_table, plot_results
-from heron.bench.result import load_result, machine_info, now_iso
+from heron.bench.result import load_result, machine_info
 from heron.model.default_model import heron_cache_dir
 
 PORTS = {"heron": 8000, "hf": 8001, "llamacpp": 8002}
@@ -100,22 +100,31 @@ def run_engine(engine: str, args: argparse.Namespace, out_dir: Path) -> None:
             stop(proc)
 
 
+def _settings(doc: dict) -> str:
+    """One line of what a result measured, read from its own configuration."""
+    d, f = doc["config"]["dataset"], doc["config"]["flags"]
+    sweep = f.get("sweep_concurrency") or [f.get("max_concurrency")]
+    return (f"{d['name']} prompts of {d['input_len']} tokens, {d['output_len']} output tokens"
+            f"{' (ignore_eos)' if f.get('ignore_eos') else ''}, {d['num_prompts']} requests per point after "
+            f"{f.get('warmup', 0)} warmup, concurrency {','.join(str(c) for c in sweep)}, rate {f['request_rate']}")
+
+
 def write_report(results: list[Path], args: argparse.Namespace, out_dir: Path) -> Path:
-    """report.md: machine, date, settings, the comparison table, cost, and the plots."""
+    """report.md: for each engine its date, machine load and settings; the comparison table, cost, plots."""
     docs = [load_result(p) for p in results]
     plots = plot_results(docs, out_dir)
     m = machine_info()
     lines = ["# heron serving benchmark", "",
-             f"- date: {now_iso()}", f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['memory_gib']} GiB"
-             + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else ""),
-             f"- model: {args.model}; random prompts of {args.input_len} tokens, {args.output_len} output tokens "
-             f"(ignore_eos), {args.num_prompts} requests per concurrency after {args.warmup} warmup, "
-             f"concurrency {args.concurrency}, all requests sent at once (rate inf)",
-             f"- command: `python -m benchmarks.run_all {' '.join(sys.argv[1:])}`", "",
-             markdown_table(docs)]
+             f"Machine: {m['cpu']}, {m['cpu_count']} cores, {m['memory_gib']} GiB"
+             + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else "") + f"; model: {docs[0]['config']['model'] if docs else args.model}.", ""]
+    for doc in docs:
+        load = "/".join(str(x) for x in doc["machine"].get("load_average") or []) or "unknown"
+        lines.append(f"- {doc['config']['label']}: measured {doc['date']} (load average 1/5/15 min at start: "
+                     f"{load}); {_settings(doc)}")
+    lines += ["", markdown_table(docs)]
     if args.price_per_hour:
-        lines += ["## Cost", ""] + [cost_table(cost_rows(d, args.price_per_hour, args.api_price_in,
-                                                         args.api_price_out), args.price_per_hour) for d in docs]
+        rows = [row for d in docs for row in cost_rows(d, args.price_per_hour, args.api_price_in, args.api_price_out)]
+        lines += ["## Cost", "", cost_table(rows, args.price_per_hour)]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     report = out_dir / "report.md"
     report.write_text("\n".join(lines) + "\n")
