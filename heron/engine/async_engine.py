@@ -229,9 +229,14 @@ class AsyncEngine:
             return
         finally:
             self._loaded.set()
-        while self._serve_commands(block=not self._busy()):
-            if self._busy():
-                self._step()
+        while True:
+            try:
+                if not self._serve_commands(block=not self._busy()):
+                    return
+                if self._busy():
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - any engine failure kills the loop, never hangs it
+                self._die(e)
 
     def _busy(self) -> bool:
         return self.dead_error is None and self._engine.has_unfinished_requests()
@@ -283,13 +288,13 @@ class AsyncEngine:
         self._engine.add_request(command.request_id, token_ids, params, priority=command.priority)
 
     def _step(self) -> None:
-        try:
-            outputs = self._engine.step()
-            self._stats = self._engine.stats()
-        except Exception as e:  # noqa: BLE001 - any step failure kills the loop, never hangs it
-            logger.exception("engine step failed; failing all in-flight requests")
-            self.dead_error = EngineDeadError(f"the engine stopped after an internal error: {type(e).__name__}")
-            self._loop.call_soon_threadsafe(self._fail_all, self.dead_error)
-            return
+        outputs = self._engine.step()
+        self._stats = self._engine.stats()
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _die(self, error: Exception) -> None:
+        """Mark the engine dead and fail every request in flight; later requests fail at once."""
+        logger.error("the engine failed; failing all in-flight requests", exc_info=error)
+        self.dead_error = EngineDeadError(f"the engine stopped after an internal error: {type(error).__name__}")
+        self._loop.call_soon_threadsafe(self._fail_all, self.dead_error)

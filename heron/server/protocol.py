@@ -243,22 +243,9 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
-class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -271,15 +258,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

@@ -67,7 +67,7 @@ class EventStreamResponse(StreamingResponse):
 
 def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event carrying ``payload`` (a dict, or a pre-serialised JSON string)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
 
 

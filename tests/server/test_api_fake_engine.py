@@ -203,24 +203,35 @@ def test_step_failure_mid_stream_ends_stream_with_error_event(start_server):
         stop()
 
 
-def test_health_is_503_while_loading(fake_engine_cls):
+def test_health_is_503_while_loading(start_server, fake_engine_cls):
     release = threading.Event()
 
     def slow_factory(config):
         release.wait(10)
         return fake_engine_cls(config)
 
-    async def scenario() -> list[int]:
-        engine = AsyncEngine(EngineConfig(model="fake"), slow_factory)
-        engine.start()
-        statuses = [engine.loading]
-        with pytest.raises(Exception, match="loading"):
-            await engine.add_request("abc", SamplingParams(), "r1")
+    server, stop = start_server(engine_factory=slow_factory, wait=False)
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         release.set()
-        await engine.wait_loaded()
-        statuses.append(engine.ready)
-        outs = [o async for o in engine.generate("ab", SamplingParams(max_tokens=2), "r2")]
-        engine.shutdown()
-        return statuses + [outs[-1].outputs[0].text]
+        assert _wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.json()["choices"][0]["text"] == "bc"
+    finally:
+        release.set()
+        stop()
 
-    assert asyncio.run(scenario()) == [True, True, "cd"]
+
+def test_generate_yields_cumulative_outputs(fake_engine_cls):
+    async def scenario() -> list[str]:
+        engine = AsyncEngine(EngineConfig(model="fake"), fake_engine_cls)
+        engine.start()
+        await engine.wait_loaded()
+        texts = [o.outputs[0].text async for o in engine.generate("ab", SamplingParams(max_tokens=3), "r1")]
+        engine.shutdown()
+        return texts
+
+    texts = asyncio.run(scenario())
+    assert texts[-1] == "cde" and all("cde".startswith(t) for t in texts)
