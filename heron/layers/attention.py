@@ -94,6 +94,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``q``: [T, heads, dim]; ``k``, ``v``: [T, kv_heads, dim]. Returns [T, heads * dim]."""
         self._store(k, v, meta.slot_mapping)
+        if len(meta.groups) == 1:  # one group holds every sequence in order: no scatter needed
+            return self._attend(q, meta.groups[0]).flatten(1)
         out = torch.empty_like(q)
         for group in meta.groups:
             out[group.out_index] = self._attend(q, group)
@@ -111,9 +113,14 @@ class PagedAttention(nn.Module):
         return ctx.transpose(1, 2).to(dtype)  # [B, kv_heads, L, dim]
 
     def _attend(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-        query = q[group.query_index].transpose(1, 2)  # [B, heads, Q, dim]
+        decode = group.valid.shape[1] == 1  # one query per sequence, none padded
+        if decode and group.query_index.shape[0] == q.shape[0]:
+            query = q.unsqueeze(2)  # the whole batch is decode tokens in order: [B, heads, 1, dim]
+        else:
+            query = q[group.query_index].transpose(1, 2)  # [B, heads, Q, dim]
         key = self._gather(self.k_cache, group.block_tables, q.dtype)
         value = self._gather(self.v_cache, group.block_tables, q.dtype)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=group.mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return out.transpose(1, 2)[group.valid]  # [n_valid, heads, dim]
+        out = out.transpose(1, 2)  # [B, Q, heads, dim]
+        return out.flatten(0, 1) if decode else out[group.valid]  # [n_valid, heads, dim]

@@ -33,14 +33,14 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -64,12 +64,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, cos_sin, hidden, residual, meta):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(cos_sin, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -90,6 +90,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         qk_norm = model_type == "qwen3"
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary, qkv_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
@@ -106,8 +107,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary.lookup(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(cos_sin, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
