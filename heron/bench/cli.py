@@ -92,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from heron.bench.metrics import parse_goodput
     from heron.bench.report import format_run, markdown_table
     from heron.bench.resolve import load_tokenizer
-    from heron.bench.result import make_result, save_result
+    from heron.bench.result import machine_info, make_result, now_iso, save_result
     from heron.bench.serve import LoadShape, probe_server, run_sweep
 
     slos = parse_goodput(args.goodput)
@@ -109,6 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for shape in shapes:
         shape.validate()
     requests = sample_requests(_spec(args, args.warmup + args.num_prompts * len(shapes)), tokenizer)
+    machine, date = machine_info(), now_iso()
     runs = asyncio.run(run_sweep(cfg, requests, shapes, args.warmup, tokenizer, not args.no_progress))
     stored = [run.to_json(slos) for run in runs]
     flags = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
@@ -116,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = {"label": label, "engine": served.get("owned_by"), "model": cfg.model, "base_url": args.base_url,
               "endpoint": args.endpoint, "dataset": dataclasses.asdict(_spec(args, args.num_prompts)),
               "flags": flags}
-    result = make_result("serve", config, stored)
+    result = make_result("serve", config, stored, machine, date)
     for run in stored:
         print(format_run(run, f"{label}: serving benchmark"))
     if len(stored) > 1:

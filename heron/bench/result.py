@@ -58,10 +58,11 @@ def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def make_result(kind: str, config: dict, runs: list[dict]) -> dict:
-    """A result document with the machine and date filled in."""
-    return {"format": FORMAT, "kind": kind, "date": now_iso(), "machine": machine_info(), "config": config,
-            "runs": runs}
+def make_result(kind: str, config: dict, runs: list[dict], machine: dict | None = None,
+                date: str | None = None) -> dict:
+    """A result document; ``machine`` and ``date`` (taken when the run started) default to now."""
+    return {"format": FORMAT, "kind": kind, "date": date or now_iso(), "machine": machine or machine_info(),
+            "config": config, "runs": runs}
 
 
 def save_result(result: dict, path: str | Path) -> Path:

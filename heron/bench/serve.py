@@ -84,7 +84,9 @@ class _InFlight:
 
 
 def _session(limit: int | None) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=limit or 0)
+    # a fresh connection per request: reusing keep-alive connections races with servers closing idle ones,
+    # which would show up as client-side errors; on loopback a new connection costs well under a millisecond
+    connector = aiohttp.TCPConnector(limit=limit or 0, force_close=True)
     return aiohttp.ClientSession(connector=connector, read_bufsize=8 << 20, trust_env=False)
 
 

@@ -92,8 +92,6 @@ def test_models_and_version(server, client):
 
 
 def test_32_concurrent_streams_are_batched(server):
-    if server.kind != "tiny":
-        pytest.skip("too slow for a CPU test run on SmolLM2 (the serving benchmark covers it)")
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
     async def one(i: int) -> tuple[str, int]:
