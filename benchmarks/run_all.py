@@ -100,6 +100,10 @@ def run_engine(engine: str, args: argparse.Namespace, out_dir: Path) -> None:
             stop(proc)
 
 
+def _load(values: list[float] | None) -> str:
+    return "/".join(str(x) for x in values) if values else "unknown"
+
+
 def _settings(doc: dict) -> str:
     """One line of what a result measured, read from its own configuration."""
     d, f = doc["config"]["dataset"], doc["config"]["flags"]
@@ -118,9 +122,9 @@ def write_report(results: list[Path], args: argparse.Namespace, out_dir: Path) -
              f"Machine: {m['cpu']}, {m['cpu_count']} cores, {m['memory_gib']} GiB"
              + (f", GPUs: {', '.join(m['gpus'])}" if m["gpus"] else "") + f"; model: {docs[0]['config']['model'] if docs else args.model}.", ""]
     for doc in docs:
-        load = "/".join(str(x) for x in doc["machine"].get("load_average") or []) or "unknown"
-        lines.append(f"- {doc['config']['label']}: measured {doc['date']} (load average 1/5/15 min at start: "
-                     f"{load}); {_settings(doc)}")
+        start, end = (_load(doc["machine"].get(k)) for k in ("load_average", "load_average_end"))
+        lines.append(f"- {doc['config']['label']}: measured {doc['date']} (load average 1/5/15 min at start "
+                     f"{start}, at end {end}); {_settings(doc)}")
     lines += ["", markdown_table(docs)]
     if args.price_per_hour:
         rows = [row for d in docs for row in cost_rows(d, args.price_per_hour, args.api_price_in, args.api_price_out)]

@@ -117,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = {"label": label, "engine": served.get("owned_by"), "model": cfg.model, "base_url": args.base_url,
               "endpoint": args.endpoint, "dataset": dataclasses.asdict(_spec(args, args.num_prompts)),
               "flags": flags}
+    machine["load_average_end"] = machine_info()["load_average"]
     result = make_result("serve", config, stored, machine, date)
     for run in stored:
         print(format_run(run, f"{label}: serving benchmark"))
