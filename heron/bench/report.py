@@ -45,7 +45,7 @@ def _rows(results: list[dict]) -> list[tuple[str, dict]]:
 def markdown_table(results: list[dict]) -> str:
     """One markdown row per (engine, run): throughput, TTFT/TPOT/ITL/E2E percentiles, errors."""
     head = ("| engine | concurrency | req/s | out tok/s | total tok/s | TTFT p50 | TTFT p99 | TPOT p50 | "
-            "TPOT p99 | ITL p99 | E2E p50 | E2E p99 | ok | errors |")
+            "TPOT p99 | ITL p99 | E2E p50 | E2E p99 | ok | errors | goodput |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label, run in _rows(results):
         s = run["summary"]
@@ -53,10 +53,21 @@ def markdown_table(results: list[dict]) -> str:
         cells = [label, _concurrency(run), f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
                  f"{s['total_token_throughput']:.1f}", f"{s['ttft_ms']['median']:.0f}", f"{s['ttft_ms']['p99']:.0f}",
                  f"{s['tpot_ms']['median']:.1f}", f"{s['tpot_ms']['p99']:.1f}", f"{s['itl_ms']['p99']:.1f}",
-                 f"{s['e2el_ms']['median']:.0f}", f"{s['e2el_ms']['p99']:.0f}", str(s["completed"]), errors]
+                 f"{s['e2el_ms']['median']:.0f}", f"{s['e2el_ms']['p99']:.0f}", str(s["completed"]), errors,
+                 _goodput(s)]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nLatencies in milliseconds; TTFT = time to first token, TPOT = time per output " \
-                              "token after the first, ITL = inter-token latency, E2E = end-to-end latency.\n"
+    slos = sorted({" ".join(f"{k}:{v:g}" for k, v in run["summary"]["goodput_slos_ms"].items())
+                   for _, run in _rows(results) if "goodput_slos_ms" in run["summary"]})
+    note = f"; goodput = requests/s meeting every SLO ({', '.join(slos)} ms), with their count" if slos else ""
+    return "\n".join(lines) + ("\n\nLatencies in milliseconds; TTFT = time to first token, TPOT = time per output "
+                               "token after the first, ITL = inter-token latency, E2E = end-to-end latency"
+                               f"{note}.\n")
+
+
+def _goodput(s: dict) -> str:
+    if "request_goodput" not in s:
+        return "-"
+    return f"{s['request_goodput']:.2f} ({s['good_requests']}/{s['completed'] + s['failed']})"
 
 
 def _by_engine(results: list[dict]) -> dict[str, list[dict]]:
@@ -89,6 +100,8 @@ def _plot_throughput(plt, engines: dict[str, list[dict]], path: Path) -> Path:
         xs = [r.get("max_concurrency") or r.get("peak_in_flight") or 0 for r in runs]
         ax.plot(xs, [r["summary"]["output_throughput"] for r in runs], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    ticks = sorted({r.get("max_concurrency") or r.get("peak_in_flight") or 0 for rs in engines.values() for r in rs})
+    ax.set_xticks([t for t in ticks if t > 0], [str(t) for t in ticks if t > 0])
     ax.set(xlabel="max concurrency (requests in flight)", ylabel="output tokens / s",
            title="Output throughput vs concurrency")
     ax.grid(True, alpha=0.3)
