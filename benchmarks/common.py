@@ -24,6 +24,7 @@ def machine() -> dict:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "loadavg_1m": os.getloadavg()[0],
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
