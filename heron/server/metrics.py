@@ -37,10 +37,6 @@ class _StatsCollector:
             "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (1 = 100%)", s.kv_cache_usage),
             "max_num_requests_running_seen": ("Largest running batch so far", s.max_running_seen),
         }
-        for name, (doc, value) in gauges.items():
-            g = GaugeMetricFamily(f"heron:{name}", doc, labels=["model_name"])
-            g.add_metric(label, value)
-            yield g
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", s.prefix_cache_hits),
@@ -48,10 +44,11 @@ class _StatsCollector:
             "prompt_tokens": ("Prompt tokens computed", s.prompt_tokens),
             "generation_tokens": ("Tokens generated", s.generation_tokens),
         }
-        for name, (doc, value) in counters.items():
-            c = CounterMetricFamily(f"heron:{name}", doc, labels=["model_name"])
-            c.add_metric(label, value)
-            yield c
+        for family, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (doc, value) in metrics.items():
+                metric = family(f"heron:{name}", doc, labels=["model_name"])
+                metric.add_metric(label, value)
+                yield metric
         success = CounterMetricFamily("heron:request_success", "Finished requests by finish reason",
                                       labels=["model_name", "finished_reason"])
         for reason in sorted({"stop", "length", "abort", *s.finished_by_reason}):
