@@ -9,9 +9,8 @@ import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from benchmarks.common import save
+from benchmarks.common import load_hf_model, save
 from heron import LLM, SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a short story about a heron who learns to fish."}]
@@ -34,17 +33,8 @@ def main() -> None:
     out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
     heron_s = time.perf_counter() - t0
 
-    source = engine.config.model
-    from heron.model.loader import resolve_model
-
-    src = resolve_model(source)
     t0 = time.perf_counter()
-    if src.kind == "gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                  dtype=torch.float32)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
-    hf.eval()
+    hf = load_hf_model(args.model)
     hf_load = time.perf_counter() - t0
     x = torch.tensor([ids])
     hf.generate(x, max_new_tokens=4, do_sample=False)

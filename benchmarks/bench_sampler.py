@@ -84,12 +84,9 @@ def overhead(batch: int, steps: int) -> dict:
 
 
 def smollm2_tokenizer():
-    from transformers import AutoTokenizer
+    from heron.bench.resolve import load_tokenizer
 
-    from heron.model.default_model import fetch_default_model
-
-    path = fetch_default_model("smollm2-135m-instruct")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return load_tokenizer("smollm2-135m-instruct")
 
 
 def structured(batch: int, steps: int) -> dict:

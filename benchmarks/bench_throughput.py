@@ -13,19 +13,9 @@ import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from benchmarks.common import save
+from benchmarks.common import load_hf_model, save
 from heron import LLM, SamplingParams
-from heron.model.loader import resolve_model
-
-
-def load_hf(model: str):
-    src = resolve_model(model)
-    if src.kind == "gguf":
-        return AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                    dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32).eval()
 
 
 def hf_generate(hf, batch: list[list[int]], output_len: int) -> int:
@@ -57,7 +47,7 @@ def main() -> None:
     heron_s = time.perf_counter() - t0
     heron_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 
-    hf = load_hf(args.model)
+    hf = load_hf_model(args.model)
     hf_generate(hf, prompts[:1], 4)
     t0 = time.perf_counter()
     seq_tokens = sum(hf_generate(hf, [p], args.output_len) for p in prompts[:args.sequential_prompts])

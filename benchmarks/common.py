@@ -34,3 +34,14 @@ def save(name: str, result: dict) -> Path:
     path.write_text(json.dumps({"machine": machine(), **result}, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def load_hf_model(model: str):
+    """The transformers float32 model on the same files heron loads (a GGUF through ``gguf_file=``)."""
+    from transformers import AutoModelForCausalLM
+
+    from heron.bench.resolve import resolve_model_files
+
+    files = resolve_model_files(model)
+    return AutoModelForCausalLM.from_pretrained(str(files.directory), dtype=torch.float32,
+                                                **files.hf_kwargs()).eval()

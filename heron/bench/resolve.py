@@ -26,19 +26,21 @@ class ModelFiles:
 
 
 def resolve_model_files(name: str) -> ModelFiles:
-    """Resolve ``name`` (local dir, .gguf file, or built-in model such as smollm2-135m-instruct) to files."""
-    from heron.model.default_model import fetch_default_model, is_default_model
+    """Resolve ``name`` as ``--model`` does (local dir, .gguf file, HF cache id, built-in model); any other local
+    directory is taken as it is, since a tokenizer needs no weights."""
+    from heron.errors import ModelLoadError
+    from heron.model.loader import resolve_model
 
-    if is_default_model(name):
-        gguf = fetch_default_model(name)
-        return ModelFiles(gguf.parent, gguf.name)
-    path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelFiles(path.parent, path.name)
-    if path.is_dir():
-        return ModelFiles(path)
-    raise ConfigError(f"cannot find model files for {name!r}: pass a local HF directory, a .gguf file or a "
-                      "built-in model name (use --tokenizer PATH when --model is only the served name)")
+    try:
+        source = resolve_model(name)
+    except ModelLoadError as e:
+        if Path(name).expanduser().is_dir():
+            return ModelFiles(Path(name).expanduser())
+        raise ConfigError(f"cannot find model files for {name!r} ({e}); use --tokenizer PATH when --model is "
+                          "only the served name") from None
+    if source.kind == "gguf":
+        return ModelFiles(source.path.parent, source.path.name)
+    return ModelFiles(source.path)
 
 
 def load_tokenizer(name: str):
