@@ -41,10 +41,10 @@ def main() -> None:
 
     live_sum = heron_reserved_sum = naive_reserved_sum = 0
     peak_running, steps = 0, 0
-    bm = engine.block_manager
+    bm = engine.core.block_manager
     while engine.has_unfinished_requests():
         engine.step()
-        running = engine.scheduler.running
+        running = engine.core.scheduler.running
         live = sum(s.num_computed_tokens for s in running)
         live_sum += live
         heron_reserved_sum += (bm.num_blocks - bm.num_free_blocks) * args.block_size

@@ -31,7 +31,7 @@ def _add_generate_parser(subparsers) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Stream one completion to stdout."""
     from heron.engine.engine import Engine
-    from heron.sampling_params import SamplingParams
+    from heron.sampling_params import RequestOutputKind, SamplingParams
 
     engine = Engine(EngineConfig.from_cli_args(args))
     prompt: str | list[int] = args.prompt
@@ -40,15 +40,12 @@ def run_generate(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": args.prompt})
         prompt = engine.encode(engine.apply_chat_template(messages), add_special_tokens=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed, output_kind=RequestOutputKind.DELTA)
     engine.add_request(uuid.uuid4().hex, prompt, params)
-    shown = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[shown:])
+            sys.stdout.write(out.outputs[0].text)
             sys.stdout.flush()
-            shown = len(text)
     sys.stdout.write("\n")
     return 0
 

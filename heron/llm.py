@@ -11,7 +11,7 @@ from tqdm import tqdm
 from heron.config import DEFAULT_MODEL, EngineConfig
 from heron.engine.engine import Engine
 from heron.engine.outputs import RequestOutput
-from heron.sampling_params import SamplingParams
+from heron.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -41,10 +41,17 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, self._prompt(prompt), p, priority[i] if priority else 0)
-            ids.append(request_id)
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = str(next(self._ids))
+                p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, self._prompt(prompt), p, priority[i] if priority else 0)
+                ids.append(request_id)
+        except BaseException:
+            for request_id in ids:  # a refused prompt refuses the batch: nothing stays queued
+                self.engine.abort_request(request_id)
+            self.engine.step()
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from typing import Any
 
 from heron.errors import InvalidRequestError
@@ -44,6 +45,15 @@ class GuidedDecodingParams:
                 raise InvalidRequestError(f"guided_{name} must be a non-empty string", param=f"guided_{name}")
 
 
+class RequestOutputKind(IntEnum):
+    """What each output of a request carries (vLLM's names): everything so far, only what is new, or
+    one output at the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output; ``temperature=0`` means greedy."""
@@ -72,6 +82,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra: dict[str, Any] = field(default_factory=dict)
     # Token ids of each bad word (with and without a leading space); set by update_from_tokenizer.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
@@ -112,6 +123,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 bad(f"{name} must be a finite number, got {value!r}", name)
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            bad(f"seed must be in [-2**63, 2**64), got {self.seed}", "seed")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}", "n")
         if self.best_of < self.n:

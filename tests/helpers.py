@@ -72,7 +72,7 @@ def build_tiny_model(arch: str, path: str | Path, tie_word_embeddings: bool | No
     """
     path = Path(path)
     tokenizer = build_tiny_tokenizer()
-    config = tiny_config(arch, len(tokenizer), tie_word_embeddings, **overrides)
+    config = tiny_config(arch, overrides.pop("vocab_size", len(tokenizer)), tie_word_embeddings, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -163,15 +163,15 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
 
 
 def heron_logits(llm, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from one paged prefill."""
-    from heron import SamplingParams
-    from heron.engine.model_runner import RunItem
+    """Logits at every prompt position from one paged prefill (straight through the model runner)."""
+    from heron.engine.scheduler import ScheduledSeq, SchedulerOutput
 
-    engine = llm.engine
-    engine.add_request("probe", prompt, SamplingParams(max_tokens=1))
-    seq = engine.requests["probe"].seqs[0]
-    assert engine.block_manager.allocate_slots(seq, len(prompt))
-    logits = engine.runner.execute([RunItem(seq, len(prompt), len(prompt))])
-    engine.abort_request("probe")
-    engine.step()
+    core = llm.engine.core
+    bm = core.block_manager
+    blocks = [bm._take_free_block().block_id for _ in range(bm.blocks_needed(len(prompt)))]
+    probe = ScheduledSeq(-1, list(prompt), 0, len(prompt), blocks, True)
+    logits = core.runner.compute_logits(core.runner.execute(SchedulerOutput(seqs=[probe])))
+    core.runner.execute(SchedulerOutput(freed_seq_ids=[-1]))
+    for b in blocks:
+        bm._unref(b)
     return logits

@@ -1,66 +1,41 @@
-"""Async front of the synchronous Engine: one engine thread runs the step loop, each request gets its own stream.
+"""The server's engine: a front end in the API process over an ``EngineCore`` in its own process.
 
-The ``Engine`` is built and driven only by the engine thread; the event loop talks to it through a thread-safe
-command queue and receives outputs through ``loop.call_soon_threadsafe``, one callback per engine step.
+Threads of the API process:
+- the event loop: HTTP, and one ``RequestStream`` per request;
+- the front-end thread (a one-worker executor): owns the tokenizer, the ``InputProcessor`` and the
+  ``OutputProcessor``, so every encode, chat template and detokenization runs there, one at a time, and
+  off the event loop;
+- the core client's reader thread: receives the core's messages and queues them to the front-end thread,
+  whose results reach the event loop through ``loop.call_soon_threadsafe``.
+Front-end work (adds, aborts, outputs, the news of a death) runs in arrival order on its one thread, so a
+request's state exists before its outputs arrive and a death is reported after the outputs before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from heron.config import EngineConfig
+from heron.engine.core_client import CoreClient, rejection_error
+from heron.engine.messages import CoreInfo, EngineCoreOutputs, RequestRejection
+from heron.engine.output_processor import OutputProcessor
 from heron.engine.outputs import EngineStats, RequestOutput
-from heron.errors import EngineDeadError, EngineOverloadedError, HeronError, PromptTooLongError
-from heron.sampling_params import SamplingParams
+from heron.engine.processor import InputProcessor
+from heron.errors import EngineDeadError, EngineOverloadedError, HeronError
+from heron.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    add_special_tokens: bool
-    done: Future = field(default_factory=Future)
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The default tokenizer loader: the model's tokenizer and chat template, without its weights."""
+    from heron.model.loader import load_tokenizer_only
 
-
-@dataclass
-class _Call:
-    fn: Callable[[Any], Any]
-    done: Future = field(default_factory=Future)
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-_STOP = object()
-
-
-@dataclass
-class ModelInfo:
-    """Facts about the loaded model, safe to read from any thread (the tokenizer only for decoding)."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    tokenizer: Any
-
-
-def _default_factory(config: EngineConfig):
-    from heron.engine.engine import Engine
-
-    return Engine(config)
+    return load_tokenizer_only(config.model, config.tokenizer, config.chat_template)
 
 
 class RequestStream:
@@ -71,6 +46,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.last: RequestOutput | None = None
+        self.num_output_tokens = 0  # of all samples, so far
         self._engine = engine
 
     def __aiter__(self) -> RequestStream:
@@ -81,11 +57,16 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self.queue.get()
         while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
-            item = self.queue.get_nowait()  # outputs are cumulative: skip to the newest
+            later = self.queue.get_nowait()  # outputs are deltas: fold the queued ones into one
+            if isinstance(later, BaseException):
+                item = later
+                break
+            item.add(later)
         if isinstance(item, BaseException):
             self.close()
             raise item
         self.finished, self.last = item.finished, item
+        self.num_output_tokens += sum(len(c.token_ids) for c in item.outputs)
         return item
 
     def close(self) -> None:
@@ -96,53 +77,67 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs ``Engine.step()`` in a background thread and streams each request's outputs to asyncio."""
+    """Tokenizes and detokenizes on its front-end thread, runs the core in a child process, and streams each
+    request's outputs (deltas) to asyncio.
 
-    def __init__(self, config: EngineConfig, engine_factory: Callable[[EngineConfig], Any] | None = None) -> None:
+    ``core_factory`` builds the core in the child, so it must be importable there (a module-level callable or
+    a ``functools.partial`` of one); ``tokenizer_loader`` runs on the front-end thread.
+    """
+
+    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], Any] | None = None,
+                 tokenizer_loader: Callable[[EngineConfig], Any] | None = None) -> None:
         self.config = config
-        self._factory = engine_factory or _default_factory
-        self._commands: queue.Queue = queue.Queue()
+        self._load_tokenizer = tokenizer_loader or load_tokenizer
+        self._client = CoreClient(config, self._core_ready, self._core_outputs, self._core_dead, core_factory)
+        self._frontend = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-frontend")
         self._streams: dict[str, asyncio.Queue] = {}
+        self._admissions: dict[str, asyncio.Future] = {}
         self._stats = EngineStats()
-        self._loaded = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loaded = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine: Any = None
-        self.info: ModelInfo | None = None
+        self._closed = False
+        self._tokenizer: Any = None
+        self._processor: InputProcessor | None = None
+        self._output_processor: OutputProcessor | None = None
+        self.info: CoreInfo | None = None
         self.load_error: BaseException | None = None
         self.dead_error: EngineDeadError | None = None
 
     # ---- lifecycle (event-loop side) ----
 
     def start(self) -> None:
-        """Start the engine thread, which loads the model and then runs the step loop."""
+        """Start the core process (which loads the model) and load the tokenizer meanwhile."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="heron-engine", daemon=True)
-        self._thread.start()
+        self._frontend.submit(self._load)
 
     async def wait_loaded(self) -> None:
-        """Return once the model is loaded or failed to load."""
-        await asyncio.to_thread(self._loaded.wait)
+        """Return once the model and tokenizer are loaded, or either failed to."""
+        await self._loaded.wait()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight and stop the engine thread."""
-        for request_id in list(self._streams):
-            self._commands.put(_Abort(request_id))
-        self._commands.put(_STOP)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Stop the core process (killing it after ``timeout`` seconds) and the front-end thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._frontend.submit(self._client.shutdown, timeout).result()
+        self._frontend.shutdown(wait=True, cancel_futures=True)
 
     @property
     def ready(self) -> bool:
-        """True once the model is loaded and the loop is healthy."""
+        """True once the model is loaded and the core is alive."""
         return self.info is not None and self.dead_error is None
 
     @property
     def loading(self) -> bool:
         return not self._loaded.is_set()
 
+    @property
+    def core_pid(self) -> int | None:
+        """The pid of the engine-core process."""
+        return self._client.pid
+
     def stats(self) -> EngineStats:
-        """The engine's stats as of its last step (or command)."""
+        """The core's stats as of its last loop turn."""
         return self._stats
 
     @property
@@ -156,25 +151,28 @@ class AsyncEngine:
         """Queue a request; raises the engine's validation errors (InvalidRequestError, PromptTooLongError,
         EngineOverloadedError) before returning the stream of its outputs.
 
-        A text prompt is tokenized on the engine thread (``add_special_tokens=False`` for rendered chats,
+        A text prompt is tokenized on the front-end thread (``add_special_tokens=False`` for rendered chats,
         whose template already holds them); outputs then carry ``prompt=None``.
         """
         self._check_serving()
         assert request_id not in self._streams, f"duplicate request id {request_id}"
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream.queue
-        command = _Add(request_id, prompt, params, priority, add_special_tokens)
-        self._commands.put(command)
+        admitted = self._admissions[request_id] = self._loop.create_future()
+        params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            await asyncio.wrap_future(command.done)
+            await self._in_frontend(self._add, request_id, prompt, params, priority, add_special_tokens)
+            await admitted
         except BaseException:
             stream.close()
             raise
+        finally:
+            self._admissions.pop(request_id, None)
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its cumulative outputs; leaving early aborts it."""
+        """Queue a request and yield its outputs (deltas); leaving early aborts it."""
         stream = await self.add_request(prompt, params, request_id, priority)
         try:
             async for out in stream:
@@ -182,119 +180,141 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread (e.g. to use the tokenizer) and return its result."""
+    async def call(self, fn: Callable[[InputProcessor], Any]) -> Any:
+        """Run ``fn(input_processor)`` on the front-end thread (to use the tokenizer) and return its result."""
         self._check_serving()
-        command = _Call(fn)
-        self._commands.put(command)
-        return await asyncio.wrap_future(command.done)
+        return await self._in_frontend(lambda: fn(self._processor))
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render chat messages to a prompt (a read-only use of the engine, safe from the event loop)."""
-        self._check_serving()
-        return self._engine.apply_chat_template(messages)
+    async def apply_chat_template(self, messages: list[dict]) -> str:
+        """Render chat messages to a prompt (on the front-end thread)."""
+        return await self.call(lambda p: p.apply_chat_template(messages))
 
     def abort(self, request_id: str) -> None:
-        """Abort a request in the engine (its blocks are freed at the engine's next turn)."""
+        """Abort a request in the front end and in the core (which frees its blocks at its next turn)."""
         self._streams.pop(request_id, None)
-        self._commands.put(_Abort(request_id))
+        if self.dead_error is None and not self._closed:
+            self._frontend.submit(self._abort, request_id)
 
     def _check_serving(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
         if self.info is None:
             raise EngineOverloadedError("the model is still loading; retry shortly")
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    async def _in_frontend(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._frontend.submit(fn, *args))
+
+    def _deliver(self, outputs: list[RequestOutput], admitted: list[str], rejected: list[RequestRejection]
+                 ) -> None:
+        for request_id in admitted:
+            self._settle(request_id, None)
+        for rejection in rejected:
+            self._settle(rejection.request_id, rejection_error(rejection))
         for out in outputs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(error)
-
-    # ---- engine thread ----
-
-    def _run(self) -> None:
-        try:
-            self._engine = self._factory(self.config)
-            self.info = ModelInfo(self._engine.model_name, self._engine.max_model_len,
-                                  self._engine.vocab_size, self._engine.tokenizer)
-            self._stats = self._engine.stats()
-        except BaseException as e:  # noqa: BLE001 - reported by the server, which then exits
-            logger.error("model failed to load: %s", e, exc_info=not isinstance(e, HeronError))
-            self.load_error = e
+    def _settle(self, request_id: str, error: BaseException | None) -> None:
+        future = self._admissions.get(request_id)
+        if future is None or future.done():
             return
-        finally:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def _loaded_ok(self, info: CoreInfo) -> None:
+        if self.load_error is None:
+            self.info = info
             self._loaded.set()
-        while True:
-            try:
-                if not self._serve_commands(block=not self._busy()):
-                    return
-                if self._busy():
-                    self._step()
-            except Exception as e:  # noqa: BLE001 - any engine failure kills the loop, never hangs it
-                self._die(e)
 
-    def _busy(self) -> bool:
-        return self.dead_error is None and self._engine.has_unfinished_requests()
-
-    def _serve_commands(self, block: bool) -> bool:
-        """Handle queued commands (waiting for one if ``block``); False once asked to stop."""
-        handled = False
-        while True:
-            try:
-                command = self._commands.get(block=block and not handled)
-            except queue.Empty:
-                break
-            if command is _STOP:
-                return False
-            self._handle(command)
-            handled = True
-        if handled and self.dead_error is None:
-            self._stats = self._engine.stats()
-        return True
-
-    def _handle(self, command: _Add | _Call | _Abort) -> None:
-        if isinstance(command, _Abort):
-            if self.dead_error is None:
-                self._engine.abort_request(command.request_id)
+    def _load_failed(self, error: BaseException) -> None:
+        if self._loaded.is_set():
             return
-        if not command.done.set_running_or_notify_cancel():
-            return
-        try:
-            if self.dead_error is not None:
-                raise self.dead_error
-            if isinstance(command, _Call):
-                command.done.set_result(command.fn(self._engine))
-                return
-            self._admit(command)
-            command.done.set_result(None)
-        except Exception as e:  # noqa: BLE001 - handed to the waiting request
-            command.done.set_exception(e)
+        logger.error("model failed to load: %s", error, exc_info=not isinstance(error, HeronError))
+        self.load_error = error
+        self._loaded.set()
 
-    def _admit(self, command: _Add) -> None:
-        """Queue a request; as vLLM's server does, refuse one whose max_tokens cannot fit the context."""
-        params, limit = command.params, self.info.max_model_len
-        token_ids = self._engine.encode(command.prompt, add_special_tokens=command.add_special_tokens)
-        n = len(token_ids)
-        if params.max_tokens is not None and n < limit < n + params.max_tokens:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-                "Reduce the prompt or max_tokens.", param="max_tokens")
-        self._engine.add_request(command.request_id, token_ids, params, priority=command.priority)
-
-    def _step(self) -> None:
-        outputs = self._engine.step()
-        self._stats = self._engine.stats()
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
-
-    def _die(self, error: Exception) -> None:
+    def _die(self, error: BaseException) -> None:
         """Mark the engine dead and fail every request in flight; later requests fail at once."""
-        logger.error("the engine failed; failing all in-flight requests", exc_info=error)
-        self.dead_error = EngineDeadError(f"the engine stopped after an internal error: {type(error).__name__}")
-        self._loop.call_soon_threadsafe(self._fail_all, self.dead_error)
+        if self.info is None:
+            self._load_failed(error)
+            return
+        if self.dead_error is not None:
+            return
+        self.dead_error = error if isinstance(error, EngineDeadError) else EngineDeadError(
+            f"the engine failed: {type(error).__name__}: {error}")
+        for stream in self._streams.values():
+            stream.put_nowait(self.dead_error)
+        for request_id in list(self._admissions):
+            self._settle(request_id, self.dead_error)
+
+    # ---- front-end thread ----
+
+    def _load(self) -> None:
+        from heron.model.default_model import fetch_default_model, is_default_model
+
+        try:
+            if is_default_model(self.config.model):
+                fetch_default_model(self.config.model)  # here, before two processes both download it
+            self._client.start()
+            self._tokenizer = self._load_tokenizer(self.config)
+        except Exception as e:  # noqa: BLE001 - reported by the server, which then exits
+            self._loop.call_soon_threadsafe(self._load_failed, e)
+
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
+             add_special_tokens: bool) -> None:
+        """Tokenize and validate (as vLLM's server does, refusing a max_tokens the context cannot hold), then
+        send to the core."""
+        request = self._processor.process(request_id, prompt, params, priority, None, add_special_tokens,
+                                          max_tokens_must_fit=True)
+        self._client.add_request(request)
+        self._output_processor.add(request_id, prompt if isinstance(prompt, str) else None,
+                                   request.prompt_token_ids, params, request.arrival_time)
+
+    def _abort(self, request_id: str) -> None:
+        self._output_processor.abort(request_id)
+        try:
+            self._client.abort_requests([request_id])
+        except EngineDeadError:
+            pass
+
+    def _process(self, core_outputs: EngineCoreOutputs) -> None:
+        """Detokenize one core turn's deltas and hand the results to the event loop."""
+        try:
+            for rejection in core_outputs.rejected:
+                self._output_processor.abort(rejection.request_id)
+            outputs, stopped = self._output_processor.process(core_outputs.outputs)
+            if stopped:
+                self._client.stop_samples(stopped)
+        except EngineDeadError:
+            return  # the reader reports the death
+        except Exception as e:  # noqa: BLE001 - a front-end bug must not pass silently
+            logger.exception("processing the core's outputs failed")
+            self._loop.call_soon_threadsafe(self._die, e)
+            return
+        if outputs or core_outputs.admitted or core_outputs.rejected:
+            self._loop.call_soon_threadsafe(self._deliver, outputs, core_outputs.admitted, core_outputs.rejected)
+
+    def _ready_in_frontend(self, info: CoreInfo) -> None:
+        if self._tokenizer is None:
+            return  # the tokenizer failed to load: already reported
+        self._processor = InputProcessor(self._tokenizer, info)
+        self._output_processor = OutputProcessor(self._tokenizer)
+        self._loop.call_soon_threadsafe(self._loaded_ok, info)
+
+    # ---- core client callbacks (reader thread) ----
+
+    def _core_ready(self, info: CoreInfo) -> None:
+        self._frontend.submit(self._ready_in_frontend, info)
+
+    def _core_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.stats is not None:
+            self._stats = outputs.stats
+        self._frontend.submit(self._process, outputs)
+
+    def _core_dead(self, error: BaseException) -> None:
+        self._frontend.submit(self._loop.call_soon_threadsafe, self._die, error)

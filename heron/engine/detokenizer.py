@@ -1,39 +1,43 @@
-"""Incremental detokenization and stop-condition checks for one sequence at a time."""
+"""Incremental detokenization of one sample (the TGI/vLLM offsets scheme) and stop-string search."""
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from dataclasses import dataclass, field
 
-from heron.engine.sequence import DetokenizerState, Sequence
+from transformers import PreTrainedTokenizerBase
 
 _PROMPT_CONTEXT = 6  # prompt tokens decoded alongside the output so the first token gets its spacing right
 
 
-class Detokenizer:
-    """Turns each new token into text without re-decoding the whole output (TGI/vLLM offsets scheme)."""
+@dataclass
+class IncrementalDetokenizer:
+    """Turns each new token into text without re-decoding the whole output."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
+    tokenizer: PreTrainedTokenizerBase
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    tokens: list[int] = field(default_factory=list)  # a few prompt tokens for context, then the output
+    prefix_offset: int = 0
+    read_offset: int = 0
 
-    def _decode(self, seq: Sequence, ids: list[int]) -> str:
-        p = seq.params
-        return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
-                                     spaces_between_special_tokens=p.spaces_between_special_tokens)
+    @classmethod
+    def for_prompt(cls, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool,
+                   spaces_between_special_tokens: bool) -> IncrementalDetokenizer:
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        return cls(tokenizer, skip_special_tokens, spaces_between_special_tokens, context, 0, len(context))
 
-    def append(self, seq: Sequence, token_id: int) -> str:
-        """Add ``token_id`` to ``seq``'s text; returns the new text (may be empty while bytes are incomplete)."""
-        if seq.detok is None:
-            context = seq.request.prompt_token_ids[-_PROMPT_CONTEXT:]
-            seq.detok = DetokenizerState(list(context), 0, len(context))
-        st = seq.detok
-        st.tokens.append(token_id)
-        prefix = self._decode(seq, st.tokens[st.prefix_offset:st.read_offset])
-        full = self._decode(seq, st.tokens[st.prefix_offset:])
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+    def append(self, token_id: int) -> str:
+        """Add ``token_id``; returns the new text (empty while a multi-byte character is incomplete)."""
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
-            st.prefix_offset, st.read_offset = st.read_offset, len(st.tokens)
-            st.text += new
-            return new
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return full[len(prefix):]
         return ""
 
 
@@ -49,12 +53,3 @@ def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, in
         if idx != -1 and (best is None or idx < best[1]):
             best = (stop, idx)
     return best
-
-
-def visible_text(seq: Sequence) -> str:
-    """Text safe to show now: while running, hold back a tail that could still grow into a stop string."""
-    text = seq.detok.text if seq.detok else ""
-    if seq.finish_reason is not None or not seq.params.stop:
-        return text
-    hold = max(len(s) for s in seq.params.stop) - 1
-    return text[: len(text) - hold] if hold else text

@@ -1,22 +1,33 @@
-"""What the engine hands back: per-request outputs (as vLLM's RequestOutput) and engine-wide stats."""
+"""What the engine hands back, in vLLM's shapes: RequestOutput, CompletionOutput, Logprob; and engine stats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from heron.sampling.sampler import TokenLogprobs
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: a token's log probability, its rank in the distribution, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # per output token: the sampled token first, then the top ones
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first is None (nothing predicts it)
 
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` completions, cumulative so far."""
+    """One of a request's ``n`` completions: all of it so far, or what is new (``RequestOutputKind.DELTA``)."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property
@@ -45,8 +56,29 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error")
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one (as vLLM's ``RequestOutput.add``)."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index not in mine:
+                self.outputs.append(c)
+                mine[c.index] = c
+                continue
+            m = mine[c.index]
+            m.text += c.text
+            m.token_ids = m.token_ids + c.token_ids
+            if c.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + c.logprobs
+            m.cumulative_logprob = c.cumulative_logprob
+            m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished, self.metrics, self.error = later.finished, later.metrics, later.error
+        self.prompt_logprobs = later.prompt_logprobs or self.prompt_logprobs
+        self.num_cached_tokens = later.num_cached_tokens
 
 
 @dataclass
@@ -64,4 +96,6 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     generation_tokens: int = 0
     max_running_seen: int = 0
+    num_draft_tokens: int = 0  # speculative tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
     finished_by_reason: dict[str, int] = field(default_factory=dict)

@@ -1,8 +1,14 @@
-"""Continuous batching: every step admits and retires sequences under a token budget.
+"""Continuous batching: every step decides how many tokens each sequence computes, under a token budget.
 
-Running sequences are served first (a decode token each, or the next chunk of an unfinished prefill), then
-waiting ones are admitted, FCFS within priority, with their prompt chunked to fit the budget. When blocks run
-out, the lowest-priority, newest running sequence is preempted: its blocks are freed and it is recomputed later.
+A sequence asks for ``num_pending_tokens``: the rest of its prompt (chunked to the budget), one decode
+token, or one token plus its drafts to verify; all are the same thing with different counts. Running
+sequences go first (decodes before prefill chunks, so a long prompt never stalls the others), then waiting
+ones are admitted in (priority, arrival) order. When blocks run out, the lowest-priority, newest running
+sequence is preempted: its blocks are freed and it is recomputed later.
+
+The result is plain data (``SchedulerOutput``): the model runner never touches a ``Sequence``. Progress is
+guaranteed because the pool holds at least one ``max_model_len`` sequence (checked at start): the
+highest-priority sequence can always run once the others are preempted.
 """
 
 from __future__ import annotations
@@ -12,23 +18,34 @@ from dataclasses import dataclass, field
 
 from heron.config import EngineConfig
 from heron.engine.block_manager import BlockManager
-from heron.engine.sequence import SeqStatus, Sequence
+from heron.engine.request import SeqStatus, Sequence
 
 
 @dataclass
 class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
+    """What one sequence computes this step: ``token_ids`` at positions ``start_pos...``; the logits of the
+    last ``num_logits`` of them are wanted. ``block_ids`` extend the runner's block-table row, or replace
+    it when ``reset``."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    num_logits: int
+    block_ids: list[int]
+    reset: bool
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """One step's work, as plain data (the same message can feed tensor-parallel workers)."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    freed_seq_ids: list[int] = field(default_factory=list)  # runner rows to release (finished or preempted)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(len(s.token_ids) for s in self.seqs)
 
 
 class Scheduler:
@@ -42,6 +59,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._freed: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -55,65 +73,103 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        preempted = self._schedule_running(out, budget)
-        budget -= out.num_tokens
-        if not preempted:
-            self._schedule_waiting(out, budget)
-        out.block_copies = self.block_manager.take_copies()
-        return out
+    def schedule(self) -> tuple[SchedulerOutput, dict[int, Sequence]]:
+        """Plan one step; returns the plain-data output and, for the core, the scheduled sequences by id."""
+        chosen: dict[Sequence, int] = {}
+        budget = self._schedule_running(chosen, self.max_num_batched_tokens)
+        if not self._freed_by_preemption:
+            self._schedule_waiting(chosen, budget)
+        out = SchedulerOutput(freed_seq_ids=self._freed, block_copies=self.block_manager.take_copies())
+        self._freed = []
+        for seq, n in chosen.items():
+            out.seqs.append(self._describe(seq, n))
+        return out, {seq.seq_id: seq for seq in chosen}
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
-        preempted = False
-        # Decode tokens first, then unfinished prefill chunks, so a long prompt never stalls the others.
-        queue = sorted(self.running, key=lambda s: (len(s) - s.num_computed_tokens > 1, s.sort_key))
-        while queue and budget > 0:
-            seq = queue.pop(0)
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+    def _schedule_running(self, chosen: dict[Sequence, int], budget: int) -> int:
+        self._freed_by_preemption = False
+        order = sorted(self.running, key=lambda s: (s.num_pending_tokens > 1 + len(s.spec_token_ids), s.sort_key))
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(seq.num_pending_tokens, budget)
+            if num_new < seq.num_pending_tokens and seq.spec_token_ids:
+                seq.spec_token_ids = []  # no room to verify drafts this step: decode plainly
+                num_new = min(seq.num_pending_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
-                preempted = True
-                victim = queue.pop() if queue else seq
+                victim = max(self.running, key=lambda s: s.sort_key)
+                budget += chosen.pop(victim, 0)
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                chosen[seq] = num_new
                 budget -= num_new
-        return preempted
+        return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_waiting(self, chosen: dict[Sequence, int], budget: int) -> None:
+        bm = self.block_manager
+        seats_taken = sum(self._seats(s) for s in self.running)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            cached = [] if seq.params.prompt_logprobs is not None else self.block_manager.find_cached_prefix(seq)
-            remaining = len(seq) - len(cached) * self.block_manager.block_size
+            if seats_taken + self._seats(seq) > self.max_num_seqs:
+                break
+            cached = ([], []) if seq.request.params.prompt_logprobs is not None else bm.find_cached_prefix(seq)
+            remaining = len(seq) - len(cached[0]) * bm.block_size
             if remaining > budget and not self.chunked_prefill:
                 break
             num_new = min(remaining, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, cached):
+            if not bm.allocate_slots(seq, num_new, cached):
                 break
-            self.block_manager.record_prefix_lookup(len(seq), len(cached))
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.num_cached_tokens = len(cached) * self.block_manager.block_size
+            bm.record_prefix_lookup(len(seq), len(cached[0]))
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = len(cached[0]) * bm.block_size
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            seats_taken += self._seats(seq)
+            chosen[seq] = num_new
             budget -= num_new
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots ``seq`` takes: its samples still to be forked count too, so ``n > 1`` respects
+        ``--max-num-seqs``."""
+        req = seq.request
+        return 1 + (req.params.n - len(req.seqs) if seq.index == 0 and len(req.seqs) < req.params.n else 0)
+
+    def _describe(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start:start + num_new]
+        if len(tokens) < num_new:
+            tokens += seq.spec_token_ids[:num_new - len(tokens)]
+        num_logits = 0
+        if start + num_new == len(seq) + len(seq.spec_token_ids):
+            num_logits = 1 + len(seq.spec_token_ids)
+        if seq.index == 0 and seq.request.wants_prompt_logprobs and start < seq.num_prompt_tokens:
+            num_logits = num_new
+        reset = seq.table_reset
+        blocks = seq.block_table if reset else seq.block_table[seq.num_sent_blocks:]
+        seq.table_reset, seq.num_sent_blocks = False, len(seq.block_table)
+        return ScheduledSeq(seq.seq_id, tokens, start, num_logits, list(blocks), reset)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         self.num_preemptions += 1
+        self._freed.append(seq.seq_id)
+        self._freed_by_preemption = True
         self.add(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Retire ``seq`` (finished or aborted) wherever it is, freeing its blocks."""
-        if seq in self.running:
+        """Retire ``seq`` (finished, aborted or failed) wherever it is, freeing its blocks."""
+        if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+            self._freed.append(seq.seq_id)
+        elif seq.status == SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED

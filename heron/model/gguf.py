@@ -93,7 +93,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
         factors = torch.from_numpy(_dequantize(buf, header.tensors[_ROPE_FREQS]))
         config.rope_parameters = _llama3_rope(config, factors, path)
     state_dict = _state_dict(buf, header, config, dtype)
-    return GGUFCheckpoint(config, state_dict, _tokenizer(path))
+    return GGUFCheckpoint(config, state_dict, gguf_tokenizer(path))
 
 
 def _read_header(buf: mmap.mmap, path: Path) -> _Header:
@@ -290,8 +290,10 @@ def _dequantize(buf: mmap.mmap, info: _TensorInfo) -> np.ndarray:
     return values.copy() if info.qtype == _Q.F32 else values  # F32 is a view of the file
 
 
-def _tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """transformers' tokenizer from the GGUF vocabulary, with ``tokenizer.chat_template`` as chat template."""
+def gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer from the GGUF vocabulary, with ``tokenizer.chat_template`` as chat template.
+
+    Reads only the metadata (no tensor is dequantized): what a process that serves no weights needs."""
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers raises many types here; the user needs one line

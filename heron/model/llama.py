@@ -7,31 +7,46 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from heron.attention.backend import AttentionMetadata
 from heron.layers.activation import SiluAndMul
-from heron.layers.attention import AttentionMetadata, PagedAttention
+from heron.layers.attention import PagedAttention
 from heron.layers.linear import Linear, MergedLinear
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RotaryEmbedding
+from heron.quantization import quantization_method_for
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_window_of(config, layer_index: int) -> int | None:
+    """The attention window of layer ``layer_index``: transformers' ``layer_types`` when the config has them
+    (Qwen2 with ``use_sliding_window``), else Mistral's ``sliding_window`` on every layer."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    return window if config.model_type == "mistral" else None
+
+
 class Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 sliding_window: int | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
+                                     quant_method=quantization_method_for(config))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias,
+                             quant_method=quantization_method_for(config))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window)
 
     def forward(self, cos_sin, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -48,8 +63,10 @@ class MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                         quant_method=quantization_method_for(config))
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias,
+                                quant_method=quantization_method_for(config))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,9 +74,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 sliding_window: int | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary, qkv_bias, qk_norm)
+        self.self_attn = Attention(config, rotary, qkv_bias, qk_norm, sliding_window)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -92,8 +110,8 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, qkv_bias, qk_norm)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, qkv_bias, qk_norm, sliding_window_of(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
@@ -120,27 +138,31 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names of heron parameters that were filled."""
+        """Load HF-named tensors, each into its heron parameter of the same name (a quantization method's
+        ``weight_scale`` etc. included) in that parameter's dtype; returns the names of those filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
                 continue
-            name = name.removeprefix("model.")
+            name = ckpt_name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             shard = None
-            for ckpt_name, (merged, shard_id) in self.packed_modules.items():
-                if f".{ckpt_name}." in name:
-                    name, shard = name.replace(ckpt_name, merged), shard_id
+            for packed, (merged, shard_id) in self.packed_modules.items():
+                if f".{packed}." in name:
+                    name, shard = name.replace(packed, merged), shard_id
                     break
             if name not in params:
-                raise KeyError(f"unexpected weight {name!r} in checkpoint")
+                raise ValueError(f"unexpected tensor {ckpt_name} in checkpoint")
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             loader = getattr(owner, "weight_loader", None)
-            if loader is not None:
-                loader(params[name], tensor, shard)
-            else:
-                params[name].data.copy_(tensor)
+            try:
+                if loader is not None:
+                    loader(params[name], tensor, shard)
+                else:
+                    params[name].data.copy_(tensor)
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(f"{ckpt_name}: {e}") from None
             loaded.add(name)
         return loaded

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from tqdm import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from heron.errors import ModelLoadError
+from heron.layers.linear import LinearBase
 from heron.model.registry import model_class_for
 from heron.model.tokenizer import eos_token_ids, load_tokenizer, set_chat_template
+from heron.quantization import get_quantization_method
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,19 @@ def resolve_model(name: str) -> ModelSource:
         f"e.g. `huggingface-cli download {name}`")
 
 
+def load_tokenizer_only(name: str, tokenizer: str | None = None, chat_template: str | None = None
+                        ) -> PreTrainedTokenizerBase:
+    """The tokenizer (and chat template) of model ``name``, or of ``tokenizer`` if given; reads no weights."""
+    if tokenizer:
+        return load_tokenizer(tokenizer, chat_template)
+    source = resolve_model(name)
+    if source.kind == "gguf":
+        from heron.model.gguf import gguf_tokenizer
+
+        return set_chat_template(gguf_tokenizer(source.path), chat_template)
+    return load_tokenizer(source.path, chat_template)
+
+
 def _safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -117,8 +133,13 @@ def _generation_config(path: Path) -> GenerationConfig | None:
 
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
-               tokenizer: str | None = None, chat_template: str | None = None) -> LoadedModel:
-    """Load weights, config and tokenizer of ``name`` onto ``device`` in ``dtype``."""
+               tokenizer: str | None = None, chat_template: str | None = None,
+               quantization: str | None = None) -> LoadedModel:
+    """Load weights, config and tokenizer of ``name`` onto ``device`` in ``dtype``.
+
+    ``quantization`` names the linear layers' method (heron.quantization); None: the checkpoint's own
+    ``quantization_config``, else unquantized. Parameters a method creates in another dtype keep it.
+    """
     start = time.perf_counter()
     source = resolve_model(name)
     generation_config = None
@@ -132,19 +153,23 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, max_position
         generation_config = _generation_config(source.path)
         weights, tok = _safetensors_weights(source.path), None
     model_cls = model_class_for(hf_config)
+    _set_quantization(hf_config, quantization)
     max_positions = max_positions or getattr(hf_config, "max_position_embeddings", 4096)
-    with torch.device("meta"):
+    with torch.device("meta"), _default_dtype(dtype):
         model = model_cls(hf_config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()
     _init_buffers(model, hf_config, max_positions, device)
     try:
-        loaded = model.load_weights((k, v.to(dtype)) for k, v in weights)
-    except (KeyError, ValueError) as e:
+        loaded = model.load_weights(weights)
+    except ValueError as e:
         raise ModelLoadError(f"weights of {source.path} do not fit {hf_config.architectures[0]}: {e}") from None
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise ModelLoadError(f"checkpoint {source.path} lacks weights: {', '.join(sorted(missing)[:5])}")
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)
     model.eval()
     if tok is None:
         tok = load_tokenizer(tokenizer or source.path, chat_template)
@@ -154,6 +179,30 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, max_position
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s) in %.2fs", source.path, hf_config.architectures[0], seconds)
     return LoadedModel(model, hf_config, tok, eos, source, seconds)
+
+
+def _set_quantization(hf_config, quantization: str | None) -> None:
+    """Put the requested method into ``hf_config.quantization_config``, where the model's layers look it up;
+    refuse one that contradicts the checkpoint's or that heron does not know."""
+    quant_config = getattr(hf_config, "quantization_config", None) or {}
+    stored = quant_config.get("quant_method")
+    if quantization is not None and quantization != stored:
+        if stored is not None:
+            raise ModelLoadError(f"the checkpoint is quantized with {stored!r}; it cannot be loaded as "
+                                 f"{quantization!r} (drop --quantization)")
+        hf_config.quantization_config = {**quant_config, "quant_method": quantization}
+    get_quantization_method(quantization or stored)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created without an explicit dtype get ``dtype``; those a quantization method sets keep theirs."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _init_buffers(model: torch.nn.Module, hf_config, max_positions: int, device: torch.device) -> None:

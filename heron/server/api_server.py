@@ -101,7 +101,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
         if engine.loading:
             return JSONResponse(error_body(503, "the model is loading"), status_code=503)
         reason = engine.dead_error or engine.load_error
-        return JSONResponse(error_body(500, f"the engine is not healthy: {reason}"), status_code=500)
+        return JSONResponse(error_body(503, f"the engine is not healthy: {reason}"), status_code=503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -132,7 +132,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
-        text = req.prompt if req.prompt is not None else chat.render(req.messages)
+        text = req.prompt if req.prompt is not None else await chat.render(req.messages)
         add_special = req.add_special_tokens and req.messages is None
         tokens = await engine.call(lambda e: e.encode(text, add_special_tokens=add_special))
         return {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens}

@@ -87,14 +87,12 @@ class RequestTracker:
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
-        self.num_tokens = 0
         self.last_token_time: float | None = None
 
     def observe(self, out: RequestOutput) -> None:
         """Record what changed since the previous output of the same request."""
         m = out.metrics
-        num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
-        new = num_tokens - self.num_tokens
+        new = max((len(c.token_ids) for c in out.outputs), default=0)  # outputs are deltas
         if new > 0 and m.last_token_time is not None:
             if self.last_token_time is None:
                 if m.first_token_time is not None:
@@ -102,7 +100,7 @@ class RequestTracker:
                     self._observe_itl(m.last_token_time - m.first_token_time, new - 1)
             else:
                 self._observe_itl(m.last_token_time - self.last_token_time, new)
-            self.num_tokens, self.last_token_time = num_tokens, m.last_token_time
+            self.last_token_time = m.last_token_time
         if out.finished:
             end = m.finished_time or m.last_token_time
             if end is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -9,9 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from heron.engine.async_engine import AsyncEngine, RequestStream
-from heron.engine.outputs import RequestOutput
+from heron.engine.outputs import RequestOutput, SampleLogprobs
 from heron.errors import InvalidRequestError
-from heron.sampling.sampler import TokenLogprobs
 from heron.sampling_params import SamplingParams
 from heron.server.metrics import ServerMetrics
 from heron.server.protocol import Usage
@@ -31,6 +31,31 @@ def usage_of(finals: list[RequestOutput | None]) -> Usage:
                     sum(len(c.token_ids) for f in done for c in f.outputs))
 
 
+class Totals:
+    """Folds the delta outputs of several requests into each one's whole output so far."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.finals: list[RequestOutput | None] = [None] * num_requests
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        out = dataclasses.replace(out, outputs=[dataclasses.replace(c) for c in out.outputs])  # add() mutates
+        if self.finals[i] is None:
+            self.finals[i] = out
+        else:
+            self.finals[i].add(out)
+
+
+def openai_logprobs(token_ids: list[int], lps: SampleLogprobs | None, num_top: int
+                    ) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Per token: (text, logprob, the ``num_top`` best (text, logprob) by rank), from vLLM-style logprobs."""
+    entries = []
+    for token_id, d in zip(token_ids, lps or [], strict=False):
+        chosen = d[token_id]
+        top = sorted((v for v in d.values() if v.rank is not None and v.rank <= num_top), key=lambda v: v.rank)
+        entries.append((chosen.decoded_token, chosen.logprob, [(v.decoded_token, v.logprob) for v in top]))
+    return entries
+
+
 @dataclass
 class Serving:
     """State shared by the endpoints that generate text."""
@@ -39,10 +64,6 @@ class Serving:
     metrics: ServerMetrics
     model_name: str
     log_requests: bool = True
-
-    @property
-    def tokenizer(self):
-        return self.engine.info.tokenizer
 
     async def open(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
                    priority: int = 0, add_special_tokens: bool = True) -> list[RequestStream]:
@@ -66,7 +87,7 @@ class Serving:
         async for i, out in merge_streams(streams):
             trackers[i].observe(out)
             if out.finished:
-                self._log(out, "finished")
+                self._log(streams[i], "finished")
             yield i, out
 
     def close(self, streams: list[RequestStream]) -> None:
@@ -75,21 +96,22 @@ class Serving:
             if not stream.finished:
                 stream.close()
                 if stream.last is not None:
-                    self._log(stream.last, "aborted")
+                    self._log(stream, "aborted")
                 elif self.log_requests:
                     logger.info("request %s aborted before its first output", stream.request_id)
 
-    def _log(self, out: RequestOutput, what: str) -> None:
+    def _log(self, stream: RequestStream, what: str) -> None:
         if not self.log_requests:
             return
+        out = stream.last
         reasons = ",".join(str(c.finish_reason) for c in out.outputs)
         logger.info("request %s %s: prompt_tokens=%d output_tokens=%d finish_reason=%s latency=%.3fs",
-                    out.request_id, what, len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                    out.request_id, what, len(out.prompt_token_ids), stream.num_output_tokens,
                     reasons if what == "finished" else "abort", time.time() - out.metrics.arrival_time)
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token, as logprobs report it."""
-        return self.tokenizer.decode([token_id])
-
-    def top_logprobs(self, lp: TokenLogprobs | None) -> dict[str, float] | None:
-        return None if lp is None else {self.token_text(t): v for t, v in lp.top}
+    async def collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Each request's whole output, once all have finished."""
+        totals = Totals(len(streams))
+        async for i, out in self.outputs(streams):
+            totals.add(i, out)
+        return totals.finals

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from heron.engine import block_manager as bm_module
 from heron.engine.block_manager import BlockManager
-from heron.engine.outputs import RequestMetrics
-from heron.engine.sequence import Request, Sequence
+from heron.engine.request import Request, Sequence
 from heron.sampling_params import SamplingParams
 
 
 def make_seq(tokens: list[int]) -> Sequence:
-    req = Request("r", None, list(tokens), SamplingParams(), 0, RequestMetrics(0.0))
+    req = Request("r", list(tokens), SamplingParams(), 0, 0.0)
     return Sequence(req, 0, tokens, None)
 
 
@@ -47,9 +49,10 @@ def test_prefix_cache_hit_reuses_blocks_and_counts():
     a = make_seq(list(range(13)))
     compute(bm, a, 13)
     b = make_seq(list(range(12)) + [99, 98])
-    hits = bm.find_cached_prefix(b)
+    cached = bm.find_cached_prefix(b)
+    hits = cached[0]
     assert hits == a.block_table[:3]
-    assert bm.allocate_slots(b, len(b) - 12, hits)
+    assert bm.allocate_slots(b, len(b) - 12, cached)
     bm.record_prefix_lookup(len(b), len(hits))
     assert b.num_computed_tokens == 12 and b.block_table[:3] == a.block_table[:3]
     assert bm.prefix_hits == 12 and bm.prefix_queries == 14
@@ -62,7 +65,7 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
     a = make_seq(list(range(8)))
     compute(bm, a, 8)
     b = make_seq(list(range(8)))
-    assert len(bm.find_cached_prefix(b)) == 1  # the last block is recomputed so the last token has logits
+    assert len(bm.find_cached_prefix(b)[0]) == 1  # the last block is recomputed so the last token has logits
 
 
 def test_freed_cached_blocks_survive_until_evicted_lru():
@@ -72,11 +75,11 @@ def test_freed_cached_blocks_survive_until_evicted_lru():
     bm.free(a)
     assert bm.num_free_blocks == 4 and len(bm.evictable) == 2
     b = make_seq(list(range(8)) + [7])
-    assert len(bm.find_cached_prefix(b)) == 2  # still cached after free
+    assert len(bm.find_cached_prefix(b)[0]) == 2  # still cached after free
     # Filling the pool with unrelated tokens evicts the cached blocks.
     c = make_seq([50 + i for i in range(16)])
     compute(bm, c, 16)
-    assert bm.find_cached_prefix(b) == []
+    assert bm.find_cached_prefix(b) == ([], [])
     bm.check_invariants()
 
 
@@ -99,6 +102,50 @@ def test_fork_shares_blocks_and_copy_on_write_on_append():
     bm.check_invariants()
 
 
+def test_forced_hash_collision_never_shares_another_contexts_blocks():
+    """With every digest equal, a lookup must still find only blocks of the very same context."""
+    with mock.patch.object(bm_module, "block_hash", lambda parent, tokens: b"same"):
+        bm = BlockManager(16, 4)
+        a = make_seq([1, 1, 1, 1, 2, 2, 2, 2, 9])
+        compute(bm, a, 9)
+        # the same first block, then a block whose tokens match a's *first* block at another position
+        b = make_seq([1, 1, 1, 1, 1, 1, 1, 1, 9])
+        assert bm.find_cached_prefix(b)[0] == a.block_table[:1]
+        # a different first block: no hit at all, although the digests collide
+        c = make_seq([3, 3, 3, 3, 2, 2, 2, 2, 9])
+        assert bm.find_cached_prefix(c) == ([], [])
+        # a's exact prefix is still found, block for block
+        d = make_seq([1, 1, 1, 1, 2, 2, 2, 2, 5])
+        assert bm.find_cached_prefix(d)[0] == a.block_table[:1]  # block 1 collides with block 0 in the map
+        bm.check_invariants()
+
+
+def test_chained_digest_finds_a_long_prefix_and_hashes_only_new_blocks():
+    bm = BlockManager(16, 4)
+    a = make_seq(list(range(13)))
+    calls = []
+    real = bm_module.block_hash
+    with mock.patch.object(bm_module, "block_hash", lambda p, t: calls.append(1) or real(p, t)):
+        compute(bm, a, 5)
+        compute(bm, a, 3)
+        compute(bm, a, 5)
+    assert len(calls) == 3  # one digest per newly filled block, none recomputed
+    b = make_seq(list(range(12)) + [77])
+    assert bm.find_cached_prefix(b)[0] == a.block_table[:3]
+
+
+def test_truncate_rolls_back_draft_slots():
+    bm = BlockManager(8, 4)
+    seq = make_seq(list(range(6)))
+    compute(bm, seq, 6)
+    assert bm.allocate_slots(seq, 5)  # room for the last token and 4 drafts: positions 6..10
+    assert len(seq.block_table) == 3
+    seq.token_ids.append(42)  # one draft accepted: 7 tokens, the 7th computed next step
+    bm.truncate(seq, len(seq))
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    bm.check_invariants()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 50),
                           st.integers(1, 9)), max_size=40))
@@ -109,7 +156,7 @@ def test_random_operations_keep_invariants(ops):
         if op == "new":
             seq = make_seq([pick % 5] * n)  # few distinct tokens, so prefixes repeat
             cached = bm.find_cached_prefix(seq)
-            if bm.allocate_slots(seq, len(seq) - len(cached) * 4, cached):
+            if bm.allocate_slots(seq, len(seq) - len(cached[0]) * 4, cached):
                 seq.num_computed_tokens = len(seq)
                 bm.cache_full_blocks(seq)
                 live.append(seq)

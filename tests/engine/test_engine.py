@@ -27,10 +27,10 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> 
 
 
 def assert_no_leaks(llm: LLM) -> None:
-    bm = llm.engine.block_manager
+    bm = llm.engine.core.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
-    assert not llm.engine.scheduler.has_unfinished()
+    assert not llm.engine.core.scheduler.has_unfinished()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_batched_equals_alone_equals_transformers(tiny_model_dir, arch):
 
 
 def test_small_kv_pool_preempts_and_stays_correct(llama_dir, llama_ref):
-    llm = LLM(llama_dir, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=512)
+    llm = LLM(llama_dir, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=512, max_model_len=160)
     prompts = random_prompts(12, llama_ref.config.vocab_size, seed=1, lo=20, hi=40)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = run(llm, prompts, params)

@@ -1,4 +1,5 @@
-"""Model resolution (local dirs, HF cache layout) and the errors a user sees for bad models."""
+"""Model resolution (local dirs, HF cache layout), the tokenizer-only load, and the errors a user sees for bad
+models."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import write_gguf
 
+import heron.model.gguf
 from heron.errors import ModelLoadError
-from heron.model.loader import resolve_model
+from heron.model.loader import load_tokenizer_only, resolve_model
 
 
 def heron_cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -87,3 +90,20 @@ def test_not_a_gguf_file(tmp_path: Path):
     f.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         resolve_model(str(f))
+
+
+def test_tokenizer_only_reads_no_weights(tiny_model_dir, tmp_path, monkeypatch):
+    def no_weights(*_):
+        raise AssertionError("a tokenizer-only load touched the weights")
+
+    monkeypatch.setattr(heron.model.gguf, "_dequantize", no_weights)
+    monkeypatch.setattr("heron.model.loader._safetensors_weights", no_weights)
+    model_dir = tiny_model_dir("llama")
+    gguf_path = write_gguf(model_dir, tmp_path / "tiny.gguf")
+    messages = [{"role": "user", "content": "Hello"}]
+    for source in (model_dir, gguf_path):
+        tok = load_tokenizer_only(str(source))
+        assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"
+        assert tok.apply_chat_template(messages, tokenize=False).startswith("<|im_start|>user\nHello")
+    custom = load_tokenizer_only(str(gguf_path), chat_template="{{ messages[0]['content'] }}!")
+    assert custom.apply_chat_template(messages, tokenize=False) == "Hello!"

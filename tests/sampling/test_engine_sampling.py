@@ -104,19 +104,25 @@ def test_logprobs_equal_transformers_log_softmax(llm, model_dir):
         raw = torch.log_softmax(ref(torch.tensor([full])).logits[0].float(), dim=-1)
     n = len(PROMPT)
     assert len(out.logprobs) == len(out.token_ids)
-    for j, lp in enumerate(out.logprobs):
+    for j, entries in enumerate(out.logprobs):
         dist = raw[n + j - 1]
-        assert lp.token_id == out.token_ids[j]
-        assert lp.logprob == pytest.approx(float(dist[lp.token_id]), abs=1e-4)
-        assert [t for t, _ in lp.top] == dist.topk(5).indices.tolist()
-        assert [v for _, v in lp.top] == pytest.approx(dist.topk(5).values.tolist(), abs=1e-4)
-    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs), abs=1e-4)
+        token = out.token_ids[j]
+        assert next(iter(entries)) == token  # vLLM's order: the sampled token first
+        assert entries[token].logprob == pytest.approx(float(dist[token]), abs=1e-4)
+        assert entries[token].rank == int((dist > dist[token]).sum()) + 1
+        top = sorted((lp.rank, t, lp.logprob) for t, lp in entries.items() if lp.rank <= 5)
+        assert [t for _, t, _ in top] == dist.topk(5).indices.tolist()
+        assert [v for _, _, v in top] == pytest.approx(dist.topk(5).values.tolist(), abs=1e-4)
+        assert all(lp.decoded_token == llm.get_tokenizer().decode([t]) for t, lp in entries.items())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)),
+                                                   abs=1e-4)
     assert len(res.prompt_logprobs) == n and res.prompt_logprobs[0] is None
     for i in range(1, n):
         plp = res.prompt_logprobs[i]
-        assert plp.token_id == PROMPT[i]
-        assert plp.logprob == pytest.approx(float(raw[i - 1, PROMPT[i]]), abs=1e-4)
-        assert [t for t, _ in plp.top] == raw[i - 1].topk(3).indices.tolist()
+        assert next(iter(plp)) == PROMPT[i]
+        assert plp[PROMPT[i]].logprob == pytest.approx(float(raw[i - 1, PROMPT[i]]), abs=1e-4)
+        top = sorted((lp.rank, t) for t, lp in plp.items() if lp.rank <= 3)
+        assert [t for _, t in top] == raw[i - 1].topk(3).indices.tolist()
 
 
 def test_fifty_structured_outputs_validate(llm):
@@ -165,7 +171,7 @@ def test_bad_words_are_never_generated(llm):
     dict(guided_decoding=GuidedDecodingParams(regex="(unclosed")),
 ])
 def test_invalid_requests_are_rejected_before_running(llm, params):
-    queued = set(llm.engine.requests)
+    queued = set(llm.engine.core.requests)
     with pytest.raises(InvalidRequestError):
         generate(llm, [PROMPT], SamplingParams(**params))
-    assert set(llm.engine.requests) == queued
+    assert set(llm.engine.core.requests) == queued

@@ -1,7 +1,9 @@
-"""Fixtures for the server tests: a scripted fake engine behind the real app, served by uvicorn in a thread."""
+"""Fixtures for the server tests: the real app over a scripted fake core in its own process, served by uvicorn
+in a thread; and the real server as a subprocess."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -9,123 +11,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from heron.config import EngineConfig
 from heron.engine.async_engine import AsyncEngine
-from heron.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from heron.errors import InvalidRequestError, PromptTooLongError
-from heron.sampling.sampler import TokenLogprobs
 from heron.server.api_server import ServerOptions, build_app
 
+from .fake_core import FakeCore, FakeTokenizer
+
 _REPO = Path(__file__).resolve().parents[2]
-
-
-class FakeTokenizer:
-    """One character per token: token t is the letter chr(97 + t % 26)."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [(ord(c) - 97) % 26 for c in text]
-
-    def decode(self, ids: list[int], **kw) -> str:
-        return "".join(chr(97 + t % 26) for t in ids)
-
-
-@dataclass
-class _FakeRequest:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: object
-    outputs: list[list[int]]
-    metrics: RequestMetrics
-    finish: list[str | None]
-
-
-class FakeEngine:
-    """The Engine interface, scripted: each step appends the next letter to every choice of every request.
-
-    A prompt containing "boom" makes ``step()`` raise; ``step_delay`` slows steps down.
-    """
-
-    model_name = "fake"
-    max_model_len = 64
-    vocab_size = 26
-
-    def __init__(self, config: EngineConfig, step_delay: float = 0.0) -> None:
-        self.config = config
-        self.tokenizer = FakeTokenizer()
-        self.requests: dict[str, _FakeRequest] = {}
-        self.step_delay = step_delay
-        self.aborted: list[str] = []
-        self.max_running = 0
-        self.finished_by_reason: dict[str, int] = {}
-
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(m["content"] for m in messages)
-
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None) -> None:
-        ids = self.encode(prompt)
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens, limit {self.max_model_len}", param="prompt")
-        self.requests[request_id] = _FakeRequest(request_id, prompt if isinstance(prompt, str) else None, ids,
-                                                 params, [[] for _ in range(params.n)],
-                                                 RequestMetrics(time.time()), [None] * params.n)
-
-    def abort_request(self, request_id: str) -> None:
-        if self.requests.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(self.step_delay)
-        if any("boom" in self.tokenizer.decode(r.prompt_ids) for r in self.requests.values()):
-            raise RuntimeError("scripted failure")
-        self.max_running = max(self.max_running, len(self.requests))
-        now, outputs = time.time(), []
-        for req in list(self.requests.values()):
-            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
-            req.metrics.first_token_time = req.metrics.first_token_time or now
-            req.metrics.last_token_time = now
-            for i, out in enumerate(req.outputs):
-                if req.finish[i] is None:
-                    out.append((req.prompt_ids[-1] + len(out) + 1 + i) % 26)
-                    limit = req.params.max_tokens or self.max_model_len - len(req.prompt_ids)
-                    if len(out) >= limit:
-                        req.finish[i] = "length"
-            finished = all(req.finish)
-            if finished:
-                req.metrics.finished_time = now
-                del self.requests[req.request_id]
-                self.finished_by_reason["length"] = self.finished_by_reason.get("length", 0) + 1
-            outputs.append(self._output(req, finished))
-        return outputs
-
-    def _output(self, req: _FakeRequest, finished: bool) -> RequestOutput:
-        want = req.params.logprobs
-        outs = [CompletionOutput(i, self.tokenizer.decode(ids), list(ids),
-                                 logprobs=None if want is None else
-                                 [TokenLogprobs(t, -0.5, 1, [(t, -0.5)] * want) for t in ids],
-                                 finish_reason=req.finish[i]) for i, ids in enumerate(req.outputs)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, req.metrics)
-
-    def stats(self) -> EngineStats:
-        used = sum(len(r.prompt_ids) + len(r.outputs[0]) for r in self.requests.values())
-        return EngineStats(num_running=len(self.requests), kv_cache_usage=min(1.0, used / 1000),
-                           max_running_seen=self.max_running, generation_tokens=0,
-                           finished_by_reason=dict(self.finished_by_reason))
 
 
 def free_port() -> int:
@@ -139,23 +40,22 @@ class FakeServer:
     url: str
     engine: AsyncEngine
 
-    @property
-    def fake(self) -> FakeEngine:
-        return self.engine._engine
 
-
-def start_fake_server(api_key: str | None = None, step_delay: float = 0.0, engine_factory=None,
-                      wait: bool = True, **config) -> tuple[FakeServer, object]:
-    """Serve the real app over a FakeEngine on a free port in a background thread; returns (server, stop)."""
-    factory = engine_factory or (lambda c: FakeEngine(c, step_delay))
-    engine = AsyncEngine(EngineConfig(model="fake", **config), factory)
+def start_fake_server(api_key: str | None = None, step_delay: float = 0.0, core_factory=None,
+                      tokenizer: FakeTokenizer | None = None, wait: bool = True, **config
+                      ) -> tuple[FakeServer, Callable[[], None]]:
+    """Serve the real app over a FakeCore (in its own process, as a real core) on a free port, uvicorn in a
+    background thread; returns (server, stop)."""
+    factory = core_factory or functools.partial(FakeCore, step_delay=step_delay)
+    tokenizer = tokenizer or FakeTokenizer()
+    engine = AsyncEngine(EngineConfig(model="fake", **config), factory, lambda _: tokenizer)
     app = build_app(engine, ServerOptions(api_key=api_key, log_requests=True))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 20
+    deadline = time.time() + 60
     while time.time() < deadline:
         try:
             if httpx.get(f"{url}/health").status_code == 200 or not wait:
@@ -168,20 +68,16 @@ def start_fake_server(api_key: str | None = None, step_delay: float = 0.0, engin
 
     def stop() -> None:
         server.should_exit = True
-        thread.join(10)
+        thread.join(30)
 
     return FakeServer(url, engine), stop
 
 
 @pytest.fixture
 def start_server():
-    """``start_server(api_key=None, step_delay=0.0, **engine_config) -> (FakeServer, stop)``."""
+    """``start_server(api_key=None, step_delay=0.0, core_factory=None, tokenizer=None, wait=True,
+    **engine_config) -> (FakeServer, stop)``."""
     return start_fake_server
-
-
-@pytest.fixture
-def fake_engine_cls():
-    return FakeEngine
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +85,16 @@ def fake_server():
     server, stop = start_fake_server(step_delay=0.005)
     yield server
     stop()
+
+
+def metric_values(url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name plus its non-model labels."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
 
 
 class ServerProcess:

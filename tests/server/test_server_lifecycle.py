@@ -1,8 +1,12 @@
-"""Server process lifecycle: start-up errors, API key, backpressure, request logs off, SIGTERM mid-stream."""
+"""Server process lifecycle: start-up errors, API key, backpressure, request logs off, SIGTERM mid-stream, a
+killed core process."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,6 +86,27 @@ def test_key_backpressure_quiet_logs_and_sigterm(launch_server, tiny_model_dir):
     assert time.time() - start < 30
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health")
+
+
+def test_core_process_killed_mid_stream(launch_server, tiny_model_dir):
+    server = launch_server(tiny_model_dir("llama")).wait_healthy()
+    pid = int(re.search(r"engine core process started \(pid (\d+)\)", server.log()).group(1))
+    body = {"prompt": "A long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(pid, signal.SIGKILL)
+        rest = [line for line in lines if line]
+    assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_dead"
+    assert rest[-1] == "data: [DONE]"
+    deadline = time.time() + 5
+    while httpx.get(server.url + "/health").status_code != 503:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+    assert f"the engine core process (pid {pid}) died (killed by SIGKILL)" in server.log()
+    assert server.stop() == 0, server.log()
 
 
 def test_serve_takes_model_positionally_or_by_flag():

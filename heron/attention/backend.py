@@ -1,0 +1,73 @@
+"""The attention-backend interface and the flat per-step metadata every backend reads.
+
+A step is a flat batch of ``T`` new tokens from ``B`` sequences: sequence ``b`` computes the tokens
+``query_start_loc[b]:query_start_loc[b+1]``, which are its last ``query_len`` positions of ``seq_lens[b]``
+(prefill chunks, one decode token, or k+1 speculative verification tokens are the same thing with different
+counts). New keys and values go to the pool slots ``slot_mapping``; a sequence's context is read through its
+row of ``block_table``. A backend turns this into whatever it needs once per step (``prepare``) and owns the
+layout of its per-layer KV tensor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat inputs of one step, shared by every attention layer."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32: offsets of each sequence's tokens in the flat batch
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
+    block_table: torch.Tensor  # [B, max_blocks] int32: pool block of each logical block
+    slot_mapping: torch.Tensor  # [T] int64: pool slot of each new token
+    query_lens: list[int]  # host copies, for builders that plan on the CPU
+    context_lens: list[int]
+    block_size: int
+    # derived data a backend builds once per step in ``prepare`` (masks, index tensors, ...)
+    backend_data: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(ABC):
+    """Stores new keys/values into a paged pool and attends each query over its sequence's context."""
+
+    name: str
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's KV tensor (keys and values together)."""
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build per-step derived data into ``meta.backend_data`` (called once per step, before the forward)."""
+
+    @abstractmethod
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy pool blocks ``src`` to ``dst`` in one layer's KV tensor (copy-on-write)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        """``q``: [T, heads, dim]; ``k``, ``v``: [T, kv_heads, dim]. Writes k/v, returns [T, heads, dim]."""
+
+
+def get_attention_backend(name: str = "reference") -> AttentionBackend:
+    """The backend called ``name``; ``reference`` (gather + SDPA, exact) is the only one so far."""
+    from heron.attention.reference import ReferenceBackend
+
+    backends = {"reference": ReferenceBackend}
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
+    return backends[name]()

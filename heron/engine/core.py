@@ -1,0 +1,428 @@
+"""The engine core: schedule, run the model, sample, append tokens, report deltas. Token ids only.
+
+``EngineCore.step()`` never touches text or HTTP: the front end (``engine/processor.py``,
+``engine/output_processor.py``) tokenizes, detokenizes and checks stop strings. A step can append several tokens to a sequence: with draft tokens
+attached (``Proposer``), each of its k+1 verification rows is sampled and tokens are accepted while they
+equal the drafts (exact for greedy and for one-hot drafts such as n-gram's), checked for stops one by one,
+and the KV slots of rejected drafts are rolled back.
+
+A failure that belongs to one request (its sampling row, grammar or stop checks) ends that request with
+``finish_reason="error"``; only a failure of the forward pass itself takes the core down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from heron.config import EngineConfig
+from heron.engine.block_manager import BlockManager
+from heron.engine.memory import (
+    check_kv_capacity,
+    kv_cache_budget,
+    num_kv_blocks,
+    resolve_device,
+    resolve_dtype,
+)
+from heron.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest
+from heron.engine.outputs import EngineStats
+from heron.engine.request import Request, SeqStatus, Sequence
+from heron.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from heron.errors import ConfigError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from heron.model.loader import load_model
+from heron.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
+from heron.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once: bounds memory to slice x vocab
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for running sequences after each step (speculative decoding)."""
+
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """Draft tokens by sequence id (sequences left out get none)."""
+
+
+class SchedulerStalledError(RuntimeError):
+    """Work was pending but the scheduler planned nothing: a bug, reported instead of spinning."""
+
+
+class EngineCore:
+    """Owns the model, the KV pool, the scheduler and the sampler of one engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.tokenizer,
+                            config.chat_template)
+        self.hf_config = loaded.hf_config
+        self.tokenizer = loaded.tokenizer  # only for compiling grammars against the vocabulary
+        self.eos_token_ids = loaded.eos_token_ids
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = self._max_model_len(config)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"--max-num-batched-tokens ({config.max_num_batched_tokens}) is smaller than "
+                              f"--max-model-len ({self.max_model_len}) without chunked prefill: a long prompt "
+                              "could never be scheduled; raise it, lower --max-model-len or enable chunked prefill")
+        self.runner = ModelRunner(loaded.model, config.block_size, self.device, config.max_num_seqs,
+                                  self.max_model_len, config.max_num_batched_tokens)
+        num_blocks = self._num_blocks()
+        check_kv_capacity(num_blocks, config.block_size, self.max_model_len, self.runner.bytes_per_block(self.dtype))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner.allocate_kv_cache(num_blocks, self.dtype)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
+        self.proposer: Proposer | None = None
+        self.requests: dict[str, Request] = {}
+        self._structured = None
+        self.counters = EngineStats()
+        self.info = CoreInfo(config.served_model_name or config.model, self.max_model_len, self.vocab_size,
+                             sorted(self.eos_token_ids), num_blocks, config.block_size)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max_model_len %d", num_blocks,
+                    config.block_size, num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20,
+                    self.max_model_len)
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if config.max_model_len is None:
+            return model_max
+        if config.max_model_len > model_max:
+            raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's maximum of {model_max}")
+        return config.max_model_len
+
+    def _num_blocks(self) -> int:
+        per_block = self.runner.bytes_per_block(self.dtype)
+        peak = self._profile_activations() if self.device.type == "cuda" else 0
+        budget = kv_cache_budget(self.config, self.device, peak)
+        return num_kv_blocks(self.config, budget, per_block, self.max_model_len)
+
+    def _profile_activations(self) -> int:
+        """Peak activation memory of the largest step, measured with a throwaway KV pool (CUDA)."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.config.block_size)
+        self.runner.allocate_kv_cache(blocks, self.dtype)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        probe = ScheduledSeq(-1, [0] * tokens, 0, 1, list(range(blocks)), True)
+        self.runner.execute(SchedulerOutput(seqs=[probe]))
+        self.runner.execute(SchedulerOutput(freed_seq_ids=[-1]))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        self.runner.free_kv_cache()
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request; raises InvalidRequestError (nothing queued) if it cannot run."""
+        params, token_ids = request.sampling_params, request.prompt_token_ids
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
+        self._validate(token_ids, params)
+        grammars = [self._compile_grammar(params) for _ in range(params.n)]
+        req = Request(request.request_id, list(token_ids), params, request.priority,
+                      request.arrival_time or time.time())
+        seq = Sequence(req, 0, token_ids, self._generator(params, 0), grammars[0])
+        req.seqs.append(seq)
+        req.pending_grammars = grammars[1:]
+        self.requests[req.request_id] = req
+        self.scheduler.add(seq)
+
+    def _validate(self, token_ids: list[int], params) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens, but "
+                                     f"the prompt has {len(token_ids)} tokens (at least one must be left for the "
+                                     "output)", param="prompt")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n must be at most --max-num-seqs ({self.config.max_num_seqs}), "
+                                      f"got {params.n}", param="n")
+        if params.best_of > params.n:
+            raise InvalidRequestError("best_of > n is not supported", param="best_of")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.update_from_tokenizer(self.tokenizer)
+        params.verify_token_ids(self.vocab_size)
+
+    def _generator(self, params, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        # seed + index may leave the 64-bit range torch accepts: wrap it, as a seed is only a name for a stream
+        return torch.Generator(device=self.device).manual_seed((params.seed + index) % 2**64)
+
+    def _compile_grammar(self, params):
+        if params.guided_decoding is None:
+            return None
+        if self._structured is None:
+            from heron.sampling.structured import StructuredOutputCompiler
+
+            self._structured = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._structured.compile(params.guided_decoding)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop requests wherever they are and free their blocks now; the front end already knows."""
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if seq.status != SeqStatus.FINISHED:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+            self._count_finished(req)
+
+    def stop_samples(self, samples: Iterable[tuple[str, int]]) -> None:
+        """End samples that the front end stopped (a stop string), freeing their blocks; no output follows."""
+        for request_id, index in samples:
+            req = self.requests.get(request_id)
+            if req is None or index >= len(req.seqs) or req.seqs[index].status == SeqStatus.FINISHED:
+                continue
+            seq = req.seqs[index]
+            seq.finish_reason, seq.stop_reason = "stop", None
+            self.scheduler.finish(seq)
+            if req.finished:
+                self._count_finished(req)
+                del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step; returns the deltas of every sample that progressed or ended."""
+        sched, seqs = self.scheduler.schedule()
+        if not sched.seqs:
+            if self.scheduler.has_unfinished():
+                raise SchedulerStalledError(f"nothing scheduled with {len(self.scheduler.running)} running and "
+                                            f"{len(self.scheduler.waiting)} waiting sequences")
+            self.runner.execute(sched)  # releases rows of sequences that ended
+            return []
+        self.counters.max_running_seen = max(self.counters.max_running_seen, len(self.scheduler.running))
+        hidden = self.runner.execute(sched)
+        touched: dict[str, Request] = {}
+        sample_seqs, sample_rows = [], []
+        offset = 0
+        for s in sched.seqs:
+            seq = seqs[s.seq_id]
+            touched[seq.request.request_id] = seq.request
+            self._count_prompt_tokens(seq, len(s.token_ids))
+            if seq.index == 0 and seq.request.wants_prompt_logprobs:
+                self._guard(seq.request, self._add_prompt_logprobs, seq, s, hidden[offset:offset + s.num_logits])
+            if seq.status != SeqStatus.RUNNING:  # its request failed just now
+                offset += s.num_logits
+                continue
+            seq.num_computed_tokens += len(s.token_ids)  # drafts included until verified (see _accept)
+            if s.start_pos + len(s.token_ids) == len(seq) + len(seq.spec_token_ids):
+                rows_here = 1 + len(seq.spec_token_ids)
+                first = offset + s.num_logits - rows_here
+                for seq_ in [seq, *self._fork_children(seq)]:
+                    sample_seqs.append(seq_)
+                    sample_rows.append(range(first, first + rows_here))
+            else:
+                self.block_manager.cache_full_blocks(seq)
+            offset += s.num_logits
+        self._sample_and_append(hidden, sample_seqs, sample_rows)
+        outputs = [out for req in touched.values() for out in self._outputs(req)]
+        self._propose()
+        return outputs
+
+    def _count_prompt_tokens(self, seq: Sequence, num_new: int) -> None:
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.counters.prompt_tokens += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
+
+    def _add_prompt_logprobs(self, seq: Sequence, s: ScheduledSeq, hidden: torch.Tensor) -> None:
+        """Score the prompt tokens this chunk predicts (logits at position p score token p + 1), a slice of
+        positions at a time; tokens scored before a preemption are not scored again."""
+        req = seq.request
+        first_pos = max(s.start_pos, req.num_prompt_logprobs)
+        end_pos = min(s.start_pos + len(s.token_ids), seq.num_prompt_tokens - 1)
+        for lo in range(first_pos, end_pos, PROMPT_LOGPROBS_SLICE):
+            hi = min(lo + PROMPT_LOGPROBS_SLICE, end_pos)
+            logits = self.runner.compute_logits(hidden[lo - s.start_pos:hi - s.start_pos])
+            targets = torch.tensor(req.prompt_token_ids[lo + 1:hi + 1], device=logits.device)
+            req.new_prompt_logprobs.extend(gather_logprobs(logits, targets, req.params.prompt_logprobs))
+            req.num_prompt_logprobs = hi
+
+    def _fork_children(self, seq: Sequence) -> list[Sequence]:
+        """At the end of the prompt, a request with n > 1 forks its other samples, sharing the prompt blocks."""
+        req = seq.request
+        if len(req.seqs) >= req.params.n or seq.num_output_tokens:
+            return []
+        self.block_manager.cache_full_blocks(seq)
+        children = []
+        for i, grammar in enumerate(req.pending_grammars, start=1):
+            child = seq.fork(i, self._generator(req.params, i), grammar)
+            self.block_manager.fork(seq, child)
+            self.scheduler.add_running(child)
+            req.seqs.append(child)
+            children.append(child)
+        req.pending_grammars = []
+        return children
+
+    def _sample_and_append(self, hidden: torch.Tensor, seqs: list[Sequence], rows: list[range]) -> None:
+        if not seqs:
+            return
+        flat = [r for rr in rows for r in rr]
+        logits = self.runner.compute_logits(hidden[flat])
+        sampling_rows = [SamplingRow(seq.params, seq.request.prompt_token_ids,
+                                     seq.output_view(seq.spec_token_ids[:j]), seq.generator, seq.grammar)
+                         for seq, rr in zip(seqs, rows, strict=True) for j in range(len(rr))]
+        tokens, logprobs, failed = self._sample(logits, sampling_rows)
+        at = 0
+        for seq, rr in zip(seqs, rows, strict=True):
+            span = range(at, at + len(rr))
+            at += len(rr)
+            if seq.status == SeqStatus.FINISHED:
+                continue  # its request failed earlier in this loop
+            if any(i in failed for i in span):
+                self._fail(seq.request, failed[next(i for i in span if i in failed)])
+                continue
+            self._guard(seq.request, self._accept, seq, [tokens[i] for i in span], [logprobs[i] for i in span])
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]
+                ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, str]]:
+        """Sample every row at once; if that fails, row by row, so a row's failure fails only its request."""
+        try:
+            out = self.sampler(logits, rows)
+            return out.token_ids, out.logprobs, {}
+        except Exception:  # noqa: BLE001 - isolated below
+            logger.warning("batched sampling failed; sampling row by row to isolate the failing request")
+        tokens, logprobs, failed = [0] * len(rows), [None] * len(rows), {}
+        for i, row in enumerate(rows):
+            try:
+                out = self.sampler(logits[i:i + 1], [row])
+                tokens[i], logprobs[i] = out.token_ids[0], out.logprobs[0]
+            except Exception as e:  # noqa: BLE001 - reported as this request's error
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+        return tokens, logprobs, failed
+
+    def _accept(self, seq: Sequence, sampled: list[int], logprobs: list[TokenLogprobs | None]) -> None:
+        """Append sampled tokens while they confirm the drafts (the first mismatch is the model's own token),
+        checking stops token by token; then roll back the slots of rejected drafts."""
+        drafts = seq.spec_token_ids
+        accepted = 0  # drafts confirmed by the model's own samples
+        for j, token in enumerate(sampled):
+            self._append_token(seq, token, logprobs[j])
+            if j >= len(drafts) or token != drafts[j]:
+                break
+            accepted += 1
+            if seq.finish_reason is not None:
+                break
+        seq.spec_token_ids = []
+        self.counters.num_draft_tokens += len(drafts)
+        self.counters.num_accepted_tokens += accepted
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            if seq.request.finished:
+                self._count_finished(seq.request)
+            return
+        seq.num_computed_tokens = len(seq) - 1  # every token but the newest has its keys and values
+        if accepted < len(drafts):
+            self.block_manager.truncate(seq, len(seq))  # free the slots of the rejected drafts
+        self.block_manager.cache_full_blocks(seq)
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.new_logprobs.append(lp)
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            raise RuntimeError(f"the grammar rejected sampled token {token}")
+        self.counters.generation_tokens += 1
+        self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                seq.finish_reason = "stop"
+                return
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            seq.finish_reason = "stop"
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _guard(self, req: Request, fn, *args) -> None:
+        """Run ``fn(*args)`` for one request; an exception fails that request only."""
+        if req.finished:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported as this request's error
+            logger.exception("request %s failed", req.request_id)
+            self._fail(req, f"{type(e).__name__}: {e}")
+
+    def _fail(self, req: Request, error: str) -> None:
+        for seq in req.seqs:
+            if seq.status != SeqStatus.FINISHED:
+                seq.finish_reason, seq.error = "error", error
+                self.scheduler.finish(seq)
+        self._count_finished(req)
+
+    def _count_finished(self, req: Request) -> None:
+        reason = req.seqs[0].finish_reason or "abort"
+        self.counters.finished_by_reason[reason] = self.counters.finished_by_reason.get(reason, 0) + 1
+
+    def _outputs(self, req: Request) -> list[EngineCoreOutput]:
+        outs = []
+        prompt_lps, req.new_prompt_logprobs = req.new_prompt_logprobs, []
+        for seq in req.seqs:
+            new = seq.take_new_tokens()
+            ending = seq.finish_reason is not None and not seq.finish_reported
+            if not new and not ending and not (prompt_lps and seq.index == 0):
+                continue
+            seq.finish_reported = seq.finish_reason is not None
+            lps, seq.new_logprobs = seq.new_logprobs, []
+            outs.append(EngineCoreOutput(
+                req.request_id, seq.index, new, lps if req.params.logprobs is not None else None,
+                prompt_lps if seq.index == 0 and req.params.prompt_logprobs is not None else None,
+                seq.finish_reason, seq.stop_reason, req.num_cached_tokens or 0, seq.error))
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+        return outs
+
+    def _propose(self) -> None:
+        """Attach the proposer's drafts to running decode sequences, within each one's remaining budget."""
+        if self.proposer is None:
+            return
+        decoding = [s for s in self.scheduler.running  # past the prompt: forks never inherit draft slots
+                    if s.is_prefill_done and s.num_computed_tokens == len(s) - 1 and s.grammar is None]
+        by_id = {s.seq_id: s for s in decoding}
+        for seq_id, drafts in self.proposer.propose(decoding).items():
+            seq = by_id.get(seq_id)
+            if seq is None:
+                continue
+            p = seq.params
+            room = self.max_model_len - len(seq) - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            seq.spec_token_ids = list(drafts[:max(0, room)])
+
+    # ---- stats --------------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of queue sizes, KV usage and the running counters."""
+        c = self.counters
+        c.num_running = len(self.scheduler.running)
+        c.num_waiting = len(self.scheduler.waiting)
+        c.kv_cache_usage = self.block_manager.usage
+        c.num_blocks_total = self.block_manager.num_blocks
+        c.num_blocks_free = self.block_manager.num_free_blocks
+        c.prefix_cache_queries = self.block_manager.prefix_queries
+        c.prefix_cache_hits = self.block_manager.prefix_hits
+        c.num_preemptions = self.scheduler.num_preemptions
+        return EngineStats(**{**vars(c), "finished_by_reason": dict(c.finished_by_reason)})

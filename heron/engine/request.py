@@ -1,0 +1,153 @@
+"""Core-side state of a request and of the sequences sampling its ``n`` completions.
+
+The core knows only token ids: text, stop strings and detokenization live in the front end. A sequence's
+``token_ids`` hold the prompt and the accepted output; ``num_computed_tokens`` of them have keys and values in
+the pool. ``spec_token_ids`` are draft tokens to verify in the next step (computed after the last token, never
+counted as accepted until verified).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any, overload
+
+import torch
+
+from heron.sampling.sampler import TokenLogprobs
+from heron.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SeqStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Request:
+    """One request in the core: its prompt, parameters and sequences (one per sample, forked after the prompt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    pending_grammars: list[Any] = field(default_factory=list)  # for the samples forked after the prompt
+    num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
+    num_prompt_logprobs: int = 0  # prompt positions scored so far (position 0 never is)
+    new_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # scored since the last output
+
+    @property
+    def finished(self) -> bool:
+        """Every sample ended (an abort or error before the fork ends the samples never forked too)."""
+        complete = len(self.seqs) == self.params.n or self.seqs[0].finish_reason in ("abort", "error")
+        return complete and all(s.status == SeqStatus.FINISHED for s in self.seqs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
+
+
+class OutputTokens(Seq):
+    """A read-only view of a sequence's output tokens (and optional draft tokens after them), without copying."""
+
+    def __init__(self, token_ids: list[int], start: int, extra: Seq[int] = ()) -> None:
+        self._ids, self._start, self._extra = token_ids, start, extra
+
+    def __len__(self) -> int:
+        return len(self._ids) - self._start + len(self._extra)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        base = len(self._ids) - self._start
+        return self._ids[self._start + i] if i < base else self._extra[i - base]
+
+
+class Sequence:
+    """A token stream whose keys and values live in the pool blocks of ``block_table``."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int], generator: torch.Generator | None,
+                 grammar: Any = None) -> None:
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.table_reset = True  # the runner must take the whole table (new, resumed, forked, copied)
+        self.num_sent_blocks = 0  # table entries the runner already has
+        self.block_chain: list[tuple[bytes, int]] = []  # (digest, serial) of each hashed full block
+        self.spec_token_ids: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.generator = generator
+        self.grammar = grammar
+        self.num_sent_tokens = self.num_prompt_tokens  # output tokens already reported to the front end
+        self.new_logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.finish_reported = False  # the front end has been told how it ended
+        self.error: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request.request_id}#{self.index}, {len(self)} tokens, {self.status.name})"
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def output_view(self, drafts: Seq[int] = ()) -> OutputTokens:
+        """The output tokens (followed by ``drafts``) as a view: no per-step copy of the whole output."""
+        return OutputTokens(self.token_ids, self.num_prompt_tokens, drafts)
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then earlier arrival (FCFS), then older sequence."""
+        return (self.request.priority, self.request.arrival_time, self.seq_id)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to compute before the next sample: the uncomputed ones plus the drafts to verify."""
+        return len(self.token_ids) - self.num_computed_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def fork(self, index: int, generator: torch.Generator | None, grammar: Any = None) -> Sequence:
+        """A sibling with the same tokens so far; the block manager shares its blocks separately."""
+        child = Sequence(self.request, index, self.token_ids, generator, grammar)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_chain = list(self.block_chain)
+        child.status = self.status
+        return child
+
+    def take_new_tokens(self) -> list[int]:
+        """Output tokens appended since the last call (what the next output carries)."""
+        new = self.token_ids[self.num_sent_tokens:]
+        self.num_sent_tokens = len(self.token_ids)
+        return new

@@ -1,0 +1,1 @@
+"""Runs the model: the persistent input batch, the KV pool and the forward pass."""

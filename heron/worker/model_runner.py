@@ -1,0 +1,85 @@
+"""Runs one model forward per step over the flat batch a ``SchedulerOutput`` describes.
+
+The runner owns the model, the KV pool (one tensor per layer, laid out by the attention backend) and the
+persistent input batch; it returns the final hidden states of the rows whose logits are wanted, and turns
+hidden states into logits on request (so prompt logprobs can be computed a slice at a time).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from heron.attention.backend import AttentionBackend, get_attention_backend
+from heron.engine.scheduler import SchedulerOutput
+from heron.worker.input_batch import InputBatch
+
+
+class ModelRunner:
+    """Owns the model, its paged KV pool and the persistent input batch."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, max_num_seqs: int,
+                 max_model_len: int, max_num_tokens: int, backend: AttentionBackend | None = None) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend or get_attention_backend()
+        self.layers = model.attention_layers()
+        for layer in self.layers:
+            layer.backend = self.backend
+        self.num_kv_heads = self.layers[0].num_kv_heads
+        self.head_dim = self.layers[0].head_dim
+        self.max_blocks_per_seq = -(-max_model_len // block_size) + 1
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, block_size, device, max_num_tokens)
+        self.kv_caches: list[torch.Tensor] = []
+        self.forward_seconds = 0.0  # time spent in the model forward, for overhead measurements
+
+    def bytes_per_block(self, kv_dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=kv_dtype).element_size()
+        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
+        """Allocate each layer's pool tensor once and hand it to the layer."""
+        self.free_kv_cache()
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in self.layers]
+        for layer, cache in zip(self.layers, self.kv_caches, strict=True):
+            layer.kv_cache = cache
+
+    def free_kv_cache(self) -> None:
+        """Drop every reference to the pool (the runner's and the layers'), so its memory can be returned."""
+        self.kv_caches = []
+        for layer in self.layers:
+            layer.kv_cache = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            for cache in self.kv_caches:
+                self.backend.copy_blocks(cache, src, dst)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """One forward pass; returns the final hidden states of the wanted rows, in scheduled order."""
+        self.input_batch.update(sched)
+        self.copy_blocks(sched.block_copies)
+        if not sched.seqs:
+            return torch.empty(0)
+        inputs = self.input_batch.prepare(sched)
+        self.backend.prepare(inputs.meta)
+        start = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        wanted = hidden[inputs.logits_index]
+        self.forward_seconds += time.perf_counter() - start
+        return wanted
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of some final hidden states."""
+        return self.model.compute_logits(hidden).float()
