@@ -40,13 +40,14 @@ def server_command(engine: str, model: str, port: int, parallel: int, extra: lis
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll ``url``/v1/models until it answers 200; fail if the server exits or the timeout passes."""
+    """Poll ``url``/health until it answers 200 (the model is loaded); fail if the server exits or the timeout
+    passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with code {proc.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                 if resp.status == 200:
                     return
         except OSError:

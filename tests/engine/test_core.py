@@ -176,3 +176,13 @@ def test_refused_prompt_in_a_batch_leaves_nothing_queued(llama_dir):
     assert_no_leaks(llm)
     assert not llm.engine.output_processor.requests
     assert len(run(llm, [[5] * 10])) == 1
+
+
+def test_largest_seed_with_n_samples_runs(llama_dir):
+    """seed + i past 2**64 (v1 crashed the engine step); out-of-range seeds are refused up front."""
+    llm = LLM(llama_dir)
+    out = run(llm, [[5, 6, 7]], SamplingParams(seed=2**64 - 1, n=2, max_tokens=4, ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [4, 4]
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    assert_no_leaks(llm)
