@@ -53,7 +53,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_batched_equals_alone_equals_transformers(tiny_model_dir, arch):
     path = tiny_model_dir(arch)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, block_size=8, max_num_batched_tokens=256)
+    llm = LLM(path, block_size=8, max_num_batched_tokens=256, dtype="float32")
     prompts = random_prompts(16, ref.config.vocab_size)
     together = run(llm, prompts)
     alone = [run(llm, [p])[0] for p in prompts]
@@ -64,7 +64,7 @@ def test_batched_equals_alone_equals_transformers(tiny_model_dir, arch):
 
 
 def test_small_kv_pool_preempts_and_stays_correct(llama_dir, llama_ref):
-    llm = LLM(llama_dir, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=512, max_model_len=160)
+    llm = LLM(llama_dir, block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=512, max_model_len=160, dtype="float32")
     prompts = random_prompts(12, llama_ref.config.vocab_size, seed=1, lo=20, hi=40)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = run(llm, prompts, params)
@@ -76,9 +76,9 @@ def test_small_kv_pool_preempts_and_stays_correct(llama_dir, llama_ref):
 def test_shared_prefix_reuses_cached_blocks(llama_dir):
     prefix = random_prompts(1, 200, seed=2, lo=64, hi=65)[0]
     a, b = prefix + [5, 6, 7], prefix + [9, 10]
-    cold = LLM(llama_dir, block_size=8, enable_prefix_caching=False)
+    cold = LLM(llama_dir, block_size=8, enable_prefix_caching=False, dtype="float32")
     expected = run(cold, [b])
-    llm = LLM(llama_dir, block_size=8)
+    llm = LLM(llama_dir, block_size=8, dtype="float32")
     run(llm, [a])
     before = llm.engine.stats()
     assert run(llm, [b]) == expected
@@ -90,8 +90,8 @@ def test_shared_prefix_reuses_cached_blocks(llama_dir):
 
 def test_long_prompt_is_prefilled_in_chunks(llama_dir, llama_ref):
     prompt = random_prompts(1, 200, seed=3, lo=150, hi=151)[0]
-    chunked = LLM(llama_dir, block_size=8, max_num_batched_tokens=32, enable_prefix_caching=False)
-    whole = LLM(llama_dir, block_size=8, max_num_batched_tokens=512, enable_prefix_caching=False)
+    chunked = LLM(llama_dir, block_size=8, max_num_batched_tokens=32, enable_prefix_caching=False, dtype="float32")
+    whole = LLM(llama_dir, block_size=8, max_num_batched_tokens=512, enable_prefix_caching=False, dtype="float32")
     steps = 0
     chunked.engine.add_request("x", prompt, GREEDY)
     while chunked.engine.has_unfinished_requests():
@@ -102,7 +102,7 @@ def test_long_prompt_is_prefilled_in_chunks(llama_dir, llama_ref):
 
 
 def test_prompt_over_max_model_len_is_rejected_others_unaffected(llama_dir):
-    llm = LLM(llama_dir, max_model_len=64)
+    llm = LLM(llama_dir, max_model_len=64, dtype="float32")
     llm.engine.add_request("ok", [5] * 10, GREEDY)
     with pytest.raises(PromptTooLongError, match="64"):
         llm.engine.add_request("long", [5] * 100, GREEDY)
@@ -114,14 +114,14 @@ def test_prompt_over_max_model_len_is_rejected_others_unaffected(llama_dir):
 
 
 def test_generation_stops_at_max_model_len(llama_dir):
-    llm = LLM(llama_dir, max_model_len=20)
+    llm = LLM(llama_dir, max_model_len=20, dtype="float32")
     out = llm.generate({"prompt_token_ids": [5] * 15}, SamplingParams(temperature=0, max_tokens=100,
                                                                       ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
 
 def test_abort_frees_blocks_at_any_point(llama_dir):
-    llm = LLM(llama_dir, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(llama_dir, block_size=4, max_num_batched_tokens=16, dtype="float32")
     engine = llm.engine
     engine.add_request("a", [7] * 40, GREEDY)  # mid-prefill after one step
     engine.add_request("b", [8] * 5, GREEDY)
@@ -137,7 +137,7 @@ def test_abort_frees_blocks_at_any_point(llama_dir):
 
 
 def test_n_samples_fork_the_prompt_blocks(llama_dir):
-    llm = LLM(llama_dir, block_size=8)
+    llm = LLM(llama_dir, block_size=8, dtype="float32")
     out = llm.generate({"prompt_token_ids": [4] * 21}, SamplingParams(n=3, temperature=0, max_tokens=10,
                                                                       ignore_eos=True), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
@@ -147,7 +147,7 @@ def test_n_samples_fork_the_prompt_blocks(llama_dir):
 
 
 def test_priority_admits_urgent_requests_first(llama_dir):
-    llm = LLM(llama_dir, max_num_seqs=1)
+    llm = LLM(llama_dir, max_num_seqs=1, dtype="float32")
     engine = llm.engine
     engine.add_request("late", [5] * 4, SamplingParams(temperature=0, max_tokens=2), priority=1)
     engine.add_request("urgent", [6] * 4, SamplingParams(temperature=0, max_tokens=2), priority=0)
@@ -158,7 +158,7 @@ def test_priority_admits_urgent_requests_first(llama_dir):
 
 
 def test_stats_track_tokens_and_usage(llama_dir):
-    llm = LLM(llama_dir, block_size=4)
+    llm = LLM(llama_dir, block_size=4, dtype="float32")
     engine = llm.engine
     engine.add_request("s", [3] * 9, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()

@@ -23,7 +23,11 @@ def test_parse_size():
 def test_auto_device_and_dtype(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert memory.resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(memory, "has_native_bf16", lambda: False)
     assert memory.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(memory, "has_native_bf16", lambda: True)
+    assert memory.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert memory.resolve_dtype("float32", torch.device("cpu")) == torch.float32
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         memory.resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -33,6 +37,17 @@ def test_auto_device_and_dtype(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert memory.resolve_dtype("auto", torch.device("cuda")) == torch.float16
     assert memory.resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_cpu_flags_name_native_bf16(monkeypatch):
+    from heron import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert not cpu.has_native_bf16()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert cpu.has_native_bf16()
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"amx_tile", "amx_bf16"}))
+    assert cpu.has_native_bf16()
 
 
 def test_cpu_budget_defaults_and_override():

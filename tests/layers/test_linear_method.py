@@ -131,8 +131,8 @@ def test_int8_weights_and_float32_scales_keep_their_dtypes(tiny_model_dir, tmp_p
 def test_int8_model_logits_equal_the_dequantized_float_model(tiny_model_dir, tmp_path, arch):
     quant_dir, float_dir = write_int8_checkpoint(tiny_model_dir(arch), tmp_path)
     prompt = torch.randint(3, 300, (29,), generator=torch.Generator().manual_seed(0)).tolist()
-    got = heron_logits(LLM(str(quant_dir), block_size=8), prompt)
-    expected = heron_logits(LLM(str(float_dir), block_size=8), prompt)
+    got = heron_logits(LLM(str(quant_dir), block_size=8, dtype="float32"), prompt)
+    expected = heron_logits(LLM(str(float_dir), block_size=8, dtype="float32"), prompt)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 

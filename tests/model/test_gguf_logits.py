@@ -15,14 +15,14 @@ def test_gguf_gives_the_same_logits_as_safetensors(tiny_model_dir, tmp_path, arc
     src = tiny_model_dir(arch)
     gguf_path = write_gguf(src, tmp_path / f"{arch}.gguf")
     prompt = list(range(3, 40))
-    expected = heron_logits(LLM(str(src)), prompt)
-    torch.testing.assert_close(heron_logits(LLM(str(gguf_path)), prompt), expected, atol=1e-5, rtol=1e-5)
+    expected = heron_logits(LLM(str(src), dtype="float32"), prompt)
+    torch.testing.assert_close(heron_logits(LLM(str(gguf_path), dtype="float32"), prompt), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.smollm2
 def test_smollm2_greedy_chat_matches_transformers(smollm2_path):
     messages = [{"role": "user", "content": "Write a haiku about the sea."}]
-    llm = LLM(str(smollm2_path))
+    llm = LLM(str(smollm2_path), dtype="float32")
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0]
     tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,

@@ -16,7 +16,7 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 def test_logits_and_greedy_match_transformers(tiny_model_dir, arch):
     path = tiny_model_dir(arch)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, block_size=8)
+    llm = LLM(path, block_size=8, dtype="float32")
     prompt = torch.randint(3, ref.config.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([prompt])).logits[0]
@@ -33,7 +33,7 @@ def test_decode_logits_match_across_block_boundaries(tiny_model_dir):
     """Logits of each decode step (one query against paged context) equal a full forward's last row."""
     path = tiny_model_dir("qwen2")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, block_size=4)
+    llm = LLM(path, block_size=4, dtype="float32")
     engine = llm.engine
     prompt = [5, 9, 11, 3, 7]
     engine.add_request("d", prompt, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True,
@@ -58,7 +58,7 @@ def test_sliding_window_matches_transformers(tmp_path, arch, overrides):
 
     path = build_tiny_model(arch, tmp_path / arch, **overrides)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, block_size=4, max_num_batched_tokens=16)  # chunked prefill crosses window edges too
+    llm = LLM(path, block_size=4, max_num_batched_tokens=16, dtype="float32")  # chunked prefill crosses window edges too
     prompt = torch.randint(3, ref.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([prompt])).logits[0]
