@@ -54,6 +54,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = _flag("split long prompts over several steps", default=True)
     tensor_parallel_size: int = _flag("tensor-parallel degree", default=1)
     quantization: str | None = _flag("weight quantization method", default=None)
+    attention_backend: str = _flag("attention backend: auto (the CPU paged kernel on the CPU, else reference), "
+                                   "reference (gather + SDPA, exact), cpu_paged", default="auto",
+                                   meta={"choices": ["auto", "reference", "cpu_paged"]})
     enforce_eager: bool = _flag("accepted for vLLM compatibility (heron always runs eagerly)", default=False)
     speculative_model: str | None = _flag("draft model for speculative decoding", default=None)
     num_speculative_tokens: int | None = _flag("tokens proposed per speculative step", default=None)

@@ -12,10 +12,17 @@ from heron.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 
+# Bounds on a guided-decoding constraint, checked before any compiler sees it. xgrammar's compilers are native
+# code that recurses over its input (a chain of 5,000 $refs, 475 KB, overflows its stack) and can take seconds
+# (3,000 $refs: 7 s); real schemas stay far below (OpenAI's allow 10 levels of schema nesting, ~20 of JSON).
+MAX_GUIDED_BYTES = 64 * 1024  # a schema as compact UTF-8 JSON, a regex, a grammar, or all choices together
+MAX_GUIDED_DEPTH = 64  # nesting of objects and arrays in a schema; of parentheses in a regex or a grammar
+MAX_SCHEMA_REFS = 1000  # "$ref" keys in a schema
+
 
 @dataclass
 class GuidedDecodingParams:
-    """One structured-output constraint: exactly one of the fields is set."""
+    """One structured-output constraint: exactly one of the fields is set, within the MAX_GUIDED_* bounds."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -35,6 +42,9 @@ class GuidedDecodingParams:
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
+            except RecursionError:
+                raise InvalidRequestError(f"guided_json nests deeper than {MAX_GUIDED_DEPTH} levels",
+                                          param="guided_json") from None
             except ValueError as e:
                 raise InvalidRequestError(f"guided_json is not valid JSON: {e}", param="guided_json") from None
         if self.json is not None and not isinstance(self.json, dict):
@@ -43,6 +53,76 @@ class GuidedDecodingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"guided_{name} must be a non-empty string", param=f"guided_{name}")
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """Refuse a constraint larger or deeper than the MAX_GUIDED_* bounds."""
+        if self.json is not None:
+            param, (depth, refs) = "guided_json", _json_shape(self.json)
+            if refs > MAX_SCHEMA_REFS:
+                raise InvalidRequestError(f"guided_json has {refs} $refs; the limit is {MAX_SCHEMA_REFS}",
+                                          param=param)
+            try:  # only once the depth is known to be bounded: json.dumps recurses
+                text = "" if depth > MAX_GUIDED_DEPTH else json.dumps(self.json, ensure_ascii=False,
+                                                                       separators=(",", ":"))
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"guided_json is not JSON: {e}", param=param) from None
+        elif self.choice is not None:
+            param, text, depth = "guided_choice", "".join(self.choice), 0
+        elif self.regex is not None or self.grammar is not None:
+            param = "guided_regex" if self.regex is not None else "guided_grammar"
+            text = self.regex if self.regex is not None else self.grammar
+            depth = _paren_depth(text, quoted=self.grammar is not None)
+        else:
+            return
+        if depth > MAX_GUIDED_DEPTH:
+            raise InvalidRequestError(f"{param} nests deeper than {MAX_GUIDED_DEPTH} levels", param=param)
+        if (size := len(text.encode())) > MAX_GUIDED_BYTES:
+            raise InvalidRequestError(f"{param} is {size} bytes; the limit is {MAX_GUIDED_BYTES}", param=param)
+
+
+def _json_shape(value: Any) -> tuple[int, int]:
+    """(nesting depth, number of "$ref" keys) of a JSON value, walked without recursion."""
+    depth = refs = 0
+    stack = [(value, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, dict):
+            refs += "$ref" in value
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        depth = max(depth, level)
+        stack.extend((child, level + 1) for child in children)
+    return depth, refs
+
+
+def _paren_depth(text: str, quoted: bool) -> int:
+    """Deepest nesting of parentheses in a regex or grammar, skipping escapes, character classes and (``quoted``)
+    string literals."""
+    depth = deepest = 0
+    in_class = in_string = escaped = False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif in_string:
+            in_string = c != '"'
+        elif in_class:
+            in_class = c != "]"
+        elif c == '"' and quoted:
+            in_string = True
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+    return deepest
 
 
 class RequestOutputKind(IntEnum):
@@ -123,6 +203,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 bad(f"{name} must be a finite number, got {value!r}", name)
+        if not all(math.isfinite(v) for v in (self.logit_bias or {}).values()):
+            bad("logit_bias values must be finite numbers", "logit_bias")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:
             bad(f"seed must be in [-2**63, 2**64), got {self.seed}", "seed")
         if self.n < 1:

@@ -10,11 +10,14 @@ layout of its per-layer KV tensor.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,11 +66,25 @@ class AttentionBackend(ABC):
         """``q``: [T, heads, dim]; ``k``, ``v``: [T, kv_heads, dim]. Writes k/v, returns [T, heads, dim]."""
 
 
-def get_attention_backend(name: str = "reference") -> AttentionBackend:
-    """The backend called ``name``; ``reference`` (gather + SDPA, exact) is the only one so far."""
+def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+    """The backend called ``name``. ``auto``: the CPU paged kernel on the CPU (the reference backend, with a
+    warning, where it cannot be built), the reference backend elsewhere."""
     from heron.attention.reference import ReferenceBackend
 
-    backends = {"reference": ReferenceBackend}
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(backends)}")
-    return backends[name]()
+    on_cpu = device is None or device.type == "cpu"
+    if name == "reference" or (name == "auto" and not on_cpu):
+        return ReferenceBackend()
+    if name not in ("auto", "cpu_paged"):
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, reference, cpu_paged")
+    if not on_cpu:
+        raise ValueError("the cpu_paged attention backend runs on the CPU only")
+    from heron.attention.cpu_paged import CpuPagedBackend
+
+    try:
+        return CpuPagedBackend()
+    except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the reference backend still works
+        if name == "cpu_paged":
+            raise
+        logger.warning("the CPU paged-attention kernel is not available (%s: %s); using the reference backend",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return ReferenceBackend()

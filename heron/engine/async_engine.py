@@ -102,6 +102,7 @@ class AsyncEngine:
         self.info: CoreInfo | None = None
         self.load_error: BaseException | None = None
         self.dead_error: EngineDeadError | None = None
+        self._refusal: BaseException | None = None
 
     # ---- lifecycle (event-loop side) ----
 
@@ -195,9 +196,21 @@ class AsyncEngine:
         if self.dead_error is None and not self._closed:
             self._frontend.submit(self._abort, request_id)
 
+    def abort_all(self, error: BaseException) -> int:
+        """End every request in flight with ``error`` (raised from its stream, which then aborts it in the core)
+        and refuse later ones with it; returns how many were in flight. For a shutdown."""
+        self._refusal = error
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        for request_id in list(self._admissions):
+            self._settle(request_id, error)
+        return len(self._streams)
+
     def _check_serving(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
+        if self._refusal is not None:
+            raise self._refusal
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         if self.info is None:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from heron.attention.backend import get_attention_backend
 from heron.config import EngineConfig
 from heron.engine.block_manager import BlockManager
+from heron.engine.grammar_queue import GrammarQueue
 from heron.engine.memory import (
     check_kv_capacity,
     kv_cache_budget,
@@ -28,7 +30,7 @@ from heron.engine.memory import (
     resolve_device,
     resolve_dtype,
 )
-from heron.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest
+from heron.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, RequestRejection
 from heron.engine.outputs import EngineStats
 from heron.engine.request import Request, SeqStatus, Sequence
 from heron.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -36,6 +38,9 @@ from heron.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from heron.model.loader import load_model
 from heron.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from heron.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +78,8 @@ class EngineCore:
                               f"--max-model-len ({self.max_model_len}) without chunked prefill: a long prompt "
                               "could never be scheduled; raise it, lower --max-model-len or enable chunked prefill")
         self.runner = ModelRunner(loaded.model, config.block_size, self.device, config.max_num_seqs,
-                                  self.max_model_len, config.max_num_batched_tokens)
+                                  self.max_model_len, config.max_num_batched_tokens,
+                                  get_attention_backend(config.attention_backend, self.device))
         num_blocks = self._num_blocks()
         check_kv_capacity(num_blocks, config.block_size, self.max_model_len, self.runner.bytes_per_block(self.dtype))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -82,13 +88,13 @@ class EngineCore:
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.proposer: Proposer | None = None
         self.requests: dict[str, Request] = {}
-        self._structured = None
+        self.grammars = GrammarQueue(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.counters = EngineStats()
         self.info = CoreInfo(config.served_model_name or config.model, self.max_model_len, self.vocab_size,
                              sorted(self.eos_token_ids), num_blocks, config.block_size)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max_model_len %d", num_blocks,
-                    config.block_size, num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20,
-                    self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max_model_len %d; %s, %s attention",
+                    num_blocks, config.block_size, num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20,
+                    self.max_model_len, str(self.dtype).removeprefix("torch."), self.runner.backend.name)
 
     def _max_model_len(self, config: EngineConfig) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -122,18 +128,52 @@ class EngineCore:
         return peak
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a tokenized request; raises InvalidRequestError (nothing queued) if it cannot run."""
+    def add_request(self, request: EngineCoreRequest, wait_for_grammar: bool = False) -> bool:
+        """Queue a tokenized request; raises InvalidRequestError (nothing queued) if it cannot run. One whose
+        grammar is not compiled yet waits for it off the step loop and False is returned: ``admit_compiled``
+        admits or rejects it later (unless ``wait_for_grammar``: then the compile is awaited here)."""
         params, token_ids = request.sampling_params, request.prompt_token_ids
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.grammars:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are waiting; retry later")
+        num_waiting = len(self.scheduler.waiting) + len(self.grammars)
+        if num_waiting >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{num_waiting} requests are waiting; retry later")
         self._validate(token_ids, params)
-        grammars = [self._compile_grammar(params) for _ in range(params.n)]
         req = Request(request.request_id, list(token_ids), params, request.priority,
                       request.arrival_time or time.time())
-        seq = Sequence(req, 0, token_ids, self._generator(params, 0), grammars[0])
+        if params.guided_decoding is None:
+            self._queue(req, None)
+            return True
+        compiled = self.grammars.compile(params.guided_decoding)
+        if not (wait_for_grammar or compiled.done()):
+            self.grammars.park(req, compiled)
+            return False
+        self._queue(req, compiled.result())
+        return True
+
+    def admit_compiled(self) -> tuple[list[str], list[RequestRejection]]:
+        """Queue the requests whose grammar compiled since the last call; reject those whose compile failed."""
+        admitted, rejected = [], []
+        for req, compiled in self.grammars.take_ready():
+            try:
+                self._queue(req, compiled.result())
+            except Exception as e:  # noqa: BLE001 - the front end raises it to the client
+                if not isinstance(e, InvalidRequestError):
+                    logger.exception("compiling the grammar of request %s failed", req.request_id)
+                rejected.append(RequestRejection(req.request_id, type(e).__name__, str(e),
+                                                 getattr(e, "param", None)))
+            else:
+                admitted.append(req.request_id)
+        return admitted, rejected
+
+    def _queue(self, req: Request, compiled: xgr.CompiledGrammar | None) -> None:
+        """Give each sample its own grammar state; queue the first sample (the others fork after the prompt)."""
+        grammars = [None] * req.params.n
+        if compiled is not None:
+            from heron.sampling.structured import GrammarState  # xgrammar loads only when a grammar is used
+
+            grammars = [GrammarState(compiled) for _ in grammars]
+        seq = Sequence(req, 0, req.prompt_token_ids, self._generator(req.params, 0), grammars[0])
         req.seqs.append(seq)
         req.pending_grammars = grammars[1:]
         self.requests[req.request_id] = req
@@ -163,20 +203,12 @@ class EngineCore:
         # seed + index may leave the 64-bit range torch accepts: wrap it, as a seed is only a name for a stream
         return torch.Generator(device=self.device).manual_seed((params.seed + index) % 2**64)
 
-    def _compile_grammar(self, params):
-        if params.guided_decoding is None:
-            return None
-        if self._structured is None:
-            from heron.sampling.structured import StructuredOutputCompiler
-
-            self._structured = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._structured.compile(params.guided_decoding)
-
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests wherever they are and free their blocks now; the front end already knows."""
         for request_id in request_ids:
             req = self.requests.pop(request_id, None)
             if req is None:
+                self.grammars.remove(request_id)
                 continue
             for seq in req.seqs:
                 if seq.status != SeqStatus.FINISHED:
@@ -198,7 +230,16 @@ class EngineCore:
                 del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is in the core, those waiting for their grammar included."""
+        return bool(self.requests) or len(self.grammars) > 0
+
+    def has_work_to_step(self) -> bool:
+        """Whether ``step()`` has requests to run (those waiting for their grammar are not yet scheduled)."""
         return bool(self.requests)
+
+    def wait_handles(self) -> list:
+        """What becomes readable when a grammar finishes compiling: a loop idle on its commands waits on these too."""
+        return self.grammars.handles
 
     # ---- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -418,7 +459,7 @@ class EngineCore:
         """A snapshot of queue sizes, KV usage and the running counters."""
         c = self.counters
         c.num_running = len(self.scheduler.running)
-        c.num_waiting = len(self.scheduler.waiting)
+        c.num_waiting = len(self.scheduler.waiting) + len(self.grammars)
         c.kv_cache_usage = self.block_manager.usage
         c.num_blocks_total = self.block_manager.num_blocks
         c.num_blocks_free = self.block_manager.num_free_blocks

@@ -4,18 +4,21 @@ Wire format: msgspec msgpack, one message per ``send_bytes``. The API process se
 abort, stop samples, shutdown); the core answers with ``CoreEvent``s: ``CoreReady`` once loaded (or
 ``CoreFailed``), then one ``CoreStep`` per loop turn, carrying the step's deltas, the adds it admitted or
 rejected, and a stats snapshot. A step that raises is logged here with its traceback, reported as
-``CoreFailed`` and ends the process with exit code 1; a request the core refuses is only rejected.
+``CoreFailed`` and ends the process with exit code 1; a request the core refuses is only rejected. A request
+with a grammar to compile is admitted or rejected in the turn after its compile ends (off the step loop).
 
-Loop: drain the commands (blocking while idle, polling while busy), step if there is work, report.
+Loop: drain the commands (while idle, first blocking until a command comes or a grammar compile ends; polling
+while busy), admit the requests whose grammar compiled, step if there is work, report.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import msgspec
@@ -91,7 +94,10 @@ def run_core_process(config: EngineConfig, core_factory: Callable[[EngineConfig]
     except BrokenPipeError:
         logger.warning("the API process is gone; the engine core exits")
         ok = True
-    sys.exit(0 if ok else 1)
+    logging.shutdown()
+    # Everything the API process needs has been sent: skip interpreter teardown (torch's takes ~1 s, which a
+    # drain-then-exit on SIGTERM would otherwise spend), and a grammar compile still running with it.
+    os._exit(0 if ok else 1)
 
 
 class CoreLoop:
@@ -107,9 +113,12 @@ class CoreLoop:
         """Serve until told to stop (True) or until a step fails (False, after reporting it)."""
         while True:
             report = EngineCoreOutputs()
-            if not self._drain(report, block=not self.core.has_unfinished_requests()):
+            if not self._drain(report, block=not self.core.has_work_to_step()):
                 return True
-            if self.core.has_unfinished_requests():
+            admitted, rejected = self.core.admit_compiled()
+            report.admitted.extend(admitted)
+            report.rejected.extend(rejected)
+            if self.core.has_work_to_step():
                 try:
                     report.outputs = self.core.step()
                 except Exception as e:  # noqa: BLE001 - fatal: reported, then the process exits
@@ -121,9 +130,11 @@ class CoreLoop:
             self._send(CoreStep(report))
 
     def _drain(self, report: EngineCoreOutputs, block: bool) -> bool:
-        """Handle the queued commands (waiting for one if ``block``); False once told to stop."""
-        while block or self.commands.poll():
-            block = False
+        """Handle the queued commands (if ``block``, first waiting for one or for a grammar compile to end);
+        False once told to stop."""
+        if block:
+            wait([self.commands, *self.core.wait_handles()])
+        while self.commands.poll():
             try:
                 command = self._decoder.decode(self.commands.recv_bytes())
             except EOFError:
@@ -142,14 +153,15 @@ class CoreLoop:
         else:
             request_id = command.request.request_id
             try:
-                self.core.add_request(command.request)
+                admitted = self.core.add_request(command.request)
             except Exception as e:  # noqa: BLE001 - the front end raises it to the client
                 if not isinstance(e, HeronError):
                     logger.exception("adding request %s failed", request_id)
                 report.rejected.append(RequestRejection(request_id, type(e).__name__, str(e),
                                                         getattr(e, "param", None)))
                 return
-            report.admitted.append(request_id)
+            if admitted:  # else it waits for its grammar: admit_compiled reports it
+                report.admitted.append(request_id)
 
     def _send(self, event: CoreStep | CoreFailed) -> None:
         self.events.send_bytes(self._encoder.encode(event))

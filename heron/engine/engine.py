@@ -51,7 +51,7 @@ class Engine:
         """Validate and queue a request; raises InvalidRequestError/PromptTooLongError before queueing."""
         request = self.processor.process(request_id, prompt, params, priority, arrival_time, add_special_tokens,
                                          max_tokens_must_fit)
-        self.core.add_request(request)
+        self.core.add_request(request, wait_for_grammar=True)  # a grammar's errors surface here, not later
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None,
                                   request.prompt_token_ids, params, request.arrival_time)
 

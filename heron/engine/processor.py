@@ -2,6 +2,11 @@
 
 Runs where the tokenizer lives (the API process, or beside an in-process core); the core re-checks what it
 must (token ids, lengths) but never tokenizes.
+
+Text is measured before it is tokenized: no token is longer than the vocabulary's longest entry, so a text of
+more than ``max_model_len`` times that many characters cannot fit the context and is refused at once (a 20 MB
+prompt would otherwise hold the tokenizer, and every request behind it, for seconds). The bound never refuses
+a prompt that would fit.
 """
 
 from __future__ import annotations
@@ -19,18 +24,32 @@ class InputProcessor:
     def __init__(self, tokenizer, info: CoreInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        longest_token = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = info.max_model_len * longest_token
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's (or ``--chat-template``'s) template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; pass --chat-template or use completions")
+        self.check_text_size(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``prompt`` (a list of ids is returned as is); refuses text too long to fit."""
         if isinstance(prompt, str):
+            self.check_text_size(len(prompt))
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return list(prompt)
+
+    def check_text_size(self, num_chars: int) -> None:
+        """Raise PromptTooLongError if a prompt of ``num_chars`` characters cannot fit the context."""
+        if num_chars > self.max_prompt_chars:
+            raise PromptTooLongError(
+                f"The prompt has {num_chars} characters, more than this model's maximum context length of "
+                f"{self.info.max_model_len} tokens can hold ({self.max_prompt_chars} characters: "
+                f"{self.max_prompt_chars // self.info.max_model_len} per token at most). Reduce the prompt.",
+                param="prompt")
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
                 arrival_time: float | None = None, add_special_tokens: bool = True,

@@ -1,28 +1,44 @@
 """Structured output with xgrammar: JSON schema, regex, choice, EBNF grammar and free JSON constraints.
 
-``StructuredOutputCompiler.compile`` turns a request's ``GuidedDecodingParams`` into a ``GrammarState`` (one
-per sequence); compiled grammars are cached. Each step the sampler's ``GrammarMasker`` fills the token
-bitmasks of all constrained rows at once and masks their logits; the engine feeds every sampled token back
-with ``GrammarState.accept_token`` and stops the sequence once ``is_terminated()``.
+``StructuredOutputCompiler.submit`` compiles a request's ``GuidedDecodingParams`` off the caller's thread and
+returns a future of the compiled grammar (cached, LRU); each sequence follows it with its own ``GrammarState``.
+A new constraint is compiled first in a child process (``grammar_worker.py``), so that a compiler crash or hang
+fails that request only, then here, on a compile thread whose stack is larger than the child's. Each step the
+sampler's ``GrammarMasker`` fills the token bitmasks of all constrained rows at once and masks their logits;
+the engine feeds every sampled token back with ``GrammarState.accept_token`` and stops the sequence once
+``is_terminated()``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import re
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from heron.errors import InvalidRequestError
+from heron.sampling.grammar_worker import (
+    COMPILE_TIMEOUT_S,
+    WORKER_STACK_BYTES,
+    CompilerCrashed,
+    GrammarWorker,
+    clean_error,
+    compile_grammar,
+)
 from heron.sampling_params import GuidedDecodingParams
 
 _CACHE_SIZE = 128
-# xgrammar's C++ errors start with "[hh:mm:ss] file.cc:line: " and sometimes "Check failed: (...) is false: "
-_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+_STACK_BYTES = 4 * WORKER_STACK_BYTES  # what compiled in the child fits here, whatever the stack use around it
+_NOUNS = {"guided_json": "schema", "guided_regex": "regex", "guided_grammar": "grammar",
+          "guided_choice": "choice list", "response_format": "format"}
+
+_Key = tuple[str, str, bool]  # (kind, spec, any_whitespace)
 
 
 class GrammarState:
@@ -41,31 +57,66 @@ class GrammarState:
 
 
 class StructuredOutputCompiler:
-    """Compiles guided-decoding constraints against one tokenizer and vocabulary."""
+    """Compiles guided-decoding constraints against one tokenizer's vocabulary, one at a time, off the caller's
+    thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None,
+                 timeout: float = COMPILE_TIMEOUT_S) -> None:
         stop_ids = list(eos_token_ids) if eos_token_ids else None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        self._compile_cached = functools.lru_cache(maxsize=_CACHE_SIZE)(self._compile)
+        self.worker = GrammarWorker(info.serialize_json(), timeout)
+        weakref.finalize(self, self.worker.close)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-grammar")
+        self._cache: OrderedDict[_Key, xgr.CompiledGrammar] = OrderedDict()
+        self._pending: dict[_Key, Future] = {}
+        self._lock = threading.Lock()
 
-    def compile(self, guided: GuidedDecodingParams) -> GrammarState:
-        """A fresh ``GrammarState`` for ``guided``; raises InvalidRequestError for an invalid schema/regex/grammar."""
+    def submit(self, guided: GuidedDecodingParams) -> Future:
+        """A future of ``guided``'s ``xgr.CompiledGrammar`` (done at once if cached); it fails with
+        InvalidRequestError for an invalid constraint, or one the compiler crashed or timed out on."""
         kind, spec, param = _describe(guided)
-        try:
-            compiled = self._compile_cached(kind, spec, not guided.disable_any_whitespace)
-        except RuntimeError as e:
-            raise InvalidRequestError(f"invalid {param}: {_clean_error(e)}", param=param) from None
-        return GrammarState(compiled)
+        key = (kind, spec, not guided.disable_any_whitespace)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(self._cache[key])
+                return done
+            if key not in self._pending:
+                old = threading.stack_size(_STACK_BYTES)  # for the compile thread, started by the first job
+                try:
+                    self._pending[key] = self._thread.submit(self._compile, key, param)
+                finally:
+                    threading.stack_size(old)
+            return self._pending[key]
 
-    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
-        if kind == "json":
-            return self._compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
-        if kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
-        if kind == "regex":
-            return self._compiler.compile_regex(spec)
-        return self._compiler.compile_grammar(spec)
+    def _compile(self, key: _Key, param: str) -> xgr.CompiledGrammar:
+        """On the compile thread: in the child first, then here; caches what compiled."""
+        compiled = None
+        try:
+            compiled = self._compile_checked(key, param)
+            return compiled
+        finally:
+            with self._lock:
+                del self._pending[key]
+                if compiled is not None:
+                    self._cache[key] = compiled
+                    if len(self._cache) > _CACHE_SIZE:
+                        self._cache.popitem(last=False)
+
+    def _compile_checked(self, key: _Key, param: str) -> xgr.CompiledGrammar:
+        try:
+            error = self.worker.check(*key)
+        except CompilerCrashed as e:
+            raise InvalidRequestError(f"the grammar compiler {e} on this {_NOUNS[param]}; simplify it",
+                                      param=param) from None
+        if error is None:
+            try:
+                return compile_grammar(self._compiler, *key)
+            except RuntimeError as e:
+                error = clean_error(e)
+        raise InvalidRequestError(f"invalid {param}: {error}", param=param)
 
 
 class GrammarMasker:
@@ -96,8 +147,3 @@ def _describe(guided: GuidedDecodingParams) -> tuple[str, str, str]:
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in guided.choice)
         return "grammar", f"root ::= {alternatives}", "guided_choice"
     return "grammar", guided.grammar, "guided_grammar"
-
-
-def _clean_error(error: Exception) -> str:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return _XGR_PREFIX.sub("", first)

@@ -6,14 +6,14 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import heron
 from heron.config import EngineConfig
@@ -21,7 +21,7 @@ from heron.engine.async_engine import AsyncEngine
 from heron.errors import HeronError, InvalidRequestError, ModelLoadError
 from heron.server.chat import Chat
 from heron.server.completions import Completions
-from heron.server.http_errors import APIError, error_body, install_handlers
+from heron.server.http_errors import APIError, InternalErrorMiddleware, error_body, install_handlers
 from heron.server.metrics import CONTENT_TYPE, ServerMetrics
 from heron.server.protocol import (
     ChatCompletionRequest,
@@ -32,6 +32,7 @@ from heron.server.protocol import (
     TokenizeRequest,
 )
 from heron.server.serving import Serving
+from heron.server.shutdown import FLUSH_TIMEOUT, Drain, DrainingServer
 
 logger = logging.getLogger("heron.server")
 
@@ -47,7 +48,8 @@ class ServerOptions:
     api_key: str | None = None
     log_requests: bool = True
     uvicorn_log_level: str = "info"
-    shutdown_timeout: float = 10.0
+    shutdown_timeout: float = 5.0
+    max_request_body: int = 32 * 1024**2
 
 
 class APIKeyMiddleware:
@@ -67,6 +69,35 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Answers 413 to a request whose body is over ``limit`` bytes: before reading it when its Content-Length
+    says so, else as soon as the part read passes the limit."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+        self.message = f"the request body is larger than the server's limit of {limit} bytes (--max-request-body)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            await JSONResponse(error_body(413, self.message), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, self.message)
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+
 def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Callable[[], None] | None = None
               ) -> FastAPI:
     """The FastAPI app serving ``engine``; starting the app starts the engine (which loads the model)."""
@@ -75,6 +106,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
     metrics = ServerMetrics(model_name, engine.stats)
     serving = Serving(engine, metrics, model_name, options.log_requests)
     completions, chat = Completions(serving), Chat(serving)
+    drain = Drain(engine, options.shutdown_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -85,9 +117,12 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="heron", version=heron.__version__, lifespan=lifespan)
+    app.state.drain = drain
     install_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limit=options.max_request_body)
     if options.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(InternalErrorMiddleware)  # added last: the outermost
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -96,6 +131,8 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return JSONResponse(error_body(503, "the server is shutting down"), status_code=503)
         if engine.ready:
             return Response(status_code=200)
         if engine.loading:
@@ -119,11 +156,13 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
+        drain.check_admitting()
         check_model(req.model)
         return await completions.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+        drain.check_admitting()
         check_model(req.model)
         return await chat.create(req, raw)
 
@@ -140,7 +179,10 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         check_model(req.model)
-        vocab = engine.info.vocab_size if engine.info else 0
+        vocab, max_len = (engine.info.vocab_size, engine.info.max_model_len) if engine.info else (0, 0)
+        if len(req.tokens) > max_len:  # more cannot come from one request, and would hold the tokenizer
+            raise InvalidRequestError(f"at most max_model_len ({max_len}) tokens can be detokenized at once",
+                                      param="tokens")
         if any(not 0 <= t < vocab for t in req.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": await engine.call(lambda e: e.tokenizer.decode(req.tokens))}
@@ -157,7 +199,8 @@ async def _watch_load(engine: AsyncEngine, on_failure: Callable[[], None] | None
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> None:
-    """Serve until SIGTERM/SIGINT (then return normally); raises ModelLoadError if the model failed to load."""
+    """Serve until SIGTERM/SIGINT, then drain (see ``shutdown.py``) and return normally; raises ModelLoadError
+    if the model failed to load."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(config)
     server: uvicorn.Server | None = None
@@ -166,11 +209,9 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
         server.should_exit = True
 
     app = build_app(engine, options, on_load_failure=stop)
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
+    server = DrainingServer(uvicorn.Config(app, host=options.host, port=options.port,
                                            log_level=options.uvicorn_log_level,
-                                           timeout_graceful_shutdown=options.shutdown_timeout))
-    # uvicorn re-raises the signal it shut down on; a no-op handler turns SIGTERM into a clean exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+                                           timeout_graceful_shutdown=FLUSH_TIMEOUT), app.state.drain)
     server.run()
     error = engine.load_error
     if isinstance(error, HeronError):

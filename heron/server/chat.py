@@ -42,9 +42,9 @@ class Chat:
             raise InvalidRequestError(f"the chat template rejected these messages: {e}", param="messages") from e
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        request_id = raw.state.request_id = new_request_id("chatcmpl")
         params = req.to_sampling_params()
         prompt = await self.render(req.messages)
-        request_id = new_request_id("chatcmpl")
         streams = await self.serving.open([prompt], params, request_id, req.priority, add_special_tokens=False)
         if req.stream:
             return EventStreamResponse(self._stream(req, request_id, streams[0], params.n),
@@ -88,7 +88,7 @@ class Chat:
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(chunk([], usage_of(totals.finals).model_dump()))
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-            yield sse(stream_error(e))
+            yield sse(stream_error(e, request_id))
         yield SSE_DONE
 
     def _delta(self, c: CompletionOutput, req: ChatCompletionRequest) -> dict:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from heron.config import DEFAULT_MODEL, EngineConfig
+from heron.config import DEFAULT_MODEL, EngineConfig, parse_size
 from heron.errors import ConfigError, HeronError
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -24,8 +24,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HERON_API_KEY)")
     server.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS, help="uvicorn's log level")
     server.add_argument("--disable-log-requests", action="store_true", help="do not log one line per request")
-    server.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests may run on after SIGTERM before they are aborted")
+    server.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="on SIGTERM, seconds in-flight requests may run on (new ones get 503) before the rest "
+                             "end with an error (default: 5)")
+    server.add_argument("--max-request-body", default="32MiB",
+                        help="largest request body accepted, e.g. 32MiB; larger ones get 413 (default: 32MiB)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -44,7 +47,8 @@ def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                             log_requests=not args.disable_log_requests, uvicorn_log_level=args.uvicorn_log_level,
-                            shutdown_timeout=args.shutdown_timeout)
+                            shutdown_timeout=args.shutdown_timeout,
+                            max_request_body=parse_size(args.max_request_body))
     run_server(config, options)
     return 0
 

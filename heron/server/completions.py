@@ -34,8 +34,8 @@ class Completions:
         self.serving = serving
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        request_id = raw.state.request_id = new_request_id("cmpl")
         params = req.to_sampling_params()
-        request_id = new_request_id("cmpl")
         prompts = req.prompts()
         streams = await self.serving.open(prompts, params, request_id, req.priority)
         if req.stream:
@@ -118,7 +118,7 @@ class Completions:
             if req.stream_options and req.stream_options.include_usage:
                 yield sse(self._chunk(request_id, created, [], usage_of(totals.finals).model_dump()))
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-            yield sse(stream_error(e))
+            yield sse(stream_error(e, request_id))
         yield SSE_DONE
 
     def _chunk(self, request_id: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:

@@ -1,21 +1,54 @@
-"""OpenAI request and response models (plus vLLM's extra sampling fields), and their mapping to SamplingParams."""
+"""OpenAI request and response models (plus vLLM's extra sampling fields), and their mapping to SamplingParams.
+
+Request models refuse at the edge, as a 400, what would otherwise fail deep inside: text that is not valid
+Unicode (a lone surrogate such as ``"\\ud800"``, which JSON can carry but UTF-8 cannot), non-finite floats
+(``NaN``, ``Infinity``, ``1e400``), and integers outside the 64-bit range the engine's messages carry.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from heron.errors import InvalidRequestError
 from heron.sampling_params import GuidedDecodingParams, SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; larger biases are clamped to it, as vLLM does
+
+Int64 = Annotated[int, Field(ge=-2**63, lt=2**63)]
+Seed = Annotated[int, Field(ge=-2**63, lt=2**64)]  # SamplingParams' range: signed or unsigned 64-bit
+
+
+def _check_text(value: Any) -> None:
+    """Raise ValueError if ``value`` holds a string that cannot be encoded as UTF-8 (a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode: lone surrogate {value[e.start]!r} at position "
+                             f"{e.start}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key)
+            _check_text(item)
+    elif isinstance(value, list):
+        for item in value:
+            if not isinstance(item, int | float):  # token-id lists can be long: skip their items cheaply
+                _check_text(item)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _encodable(cls, value: Any) -> Any:
+        _check_text(value)
+        return value
 
 
 class StreamOptions(_Model):
@@ -37,28 +70,28 @@ class _SamplingRequest(_Model):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM extras
-    best_of: int | None = None
-    top_k: int | None = None
+    best_of: Int64 | None = None
+    top_k: Int64 | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -66,7 +99,7 @@ class _SamplingRequest(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
     def _guided(self) -> GuidedDecodingParams | None:
         fmt = self.response_format
@@ -85,7 +118,8 @@ class _SamplingRequest(_Model):
         if isinstance(guided.get("json"), str):
             try:
                 guided["json"] = json.loads(guided["json"])
-            except json.JSONDecodeError as e:
+                _check_text(guided["json"])
+            except ValueError as e:
                 raise InvalidRequestError(f"guided_json is not valid JSON: {e}", param="guided_json") from e
         return GuidedDecodingParams(**guided)
 
@@ -97,7 +131,8 @@ class _SamplingRequest(_Model):
         bias = None
         if self.logit_bias:
             try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
+                bias = {int(k): min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v))
+                        for k, v in self.logit_bias.items()}
             except ValueError as e:
                 raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
                                           param="logit_bias") from e
@@ -117,9 +152,9 @@ class _SamplingRequest(_Model):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -161,10 +196,10 @@ class ChatMessage(_Model):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -183,7 +218,7 @@ class TokenizeRequest(_Model):
 
 class DetokenizeRequest(_Model):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 # ---- responses ----

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from heron.attention.backend import AttentionBackend, get_attention_backend
+from heron.attention.backend import AttentionBackend
 from heron.engine.scheduler import SchedulerOutput
 from heron.worker.input_batch import InputBatch
 
@@ -20,11 +20,11 @@ class ModelRunner:
     """Owns the model, its paged KV pool and the persistent input batch."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, max_num_seqs: int,
-                 max_model_len: int, max_num_tokens: int, backend: AttentionBackend | None = None) -> None:
+                 max_model_len: int, max_num_tokens: int, backend: AttentionBackend) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.backend = backend or get_attention_backend()
+        self.backend = backend
         self.layers = model.attention_layers()
         for layer in self.layers:
             layer.backend = self.backend

@@ -29,17 +29,18 @@ def dense_attention(q, k, v, window):
 
 
 # (context already cached, new query tokens): a chunk over a cached prefix, decodes, verification queries,
-# a fresh prompt
-STEP = [(12, 9), (7, 1), (30, 1), (17, 5), (0, 6), (21, 1)]
+# a fresh prompt, a chunk of more queries than the CPU kernel takes (the prefill path)
+STEP = [(12, 9), (7, 1), (30, 1), (17, 5), (0, 6), (21, 1), (5, 20)]
 
 
-@pytest.mark.parametrize("backend_name", ["reference"])
+@pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window, dtype):
     g = torch.Generator().manual_seed(0)
     backend = get_attention_backend(backend_name)
     num_blocks = 64
-    cache = torch.zeros(backend.kv_cache_shape(num_blocks, BLOCK, KV_HEADS, DIM))
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, BLOCK, KV_HEADS, DIM), dtype=dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks: tables are not contiguous
     tables, full_k, full_v = [], [], []
     q_parts, k_parts, v_parts, slots, query_lens, context_lens = [], [], [], [], [], []
@@ -47,14 +48,14 @@ def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window):
         total = cached + new
         table = [free.pop() for _ in range(-(-total // BLOCK))]
         tables.append(table)
-        k = torch.randn(total, KV_HEADS, DIM, generator=g)
-        v = torch.randn(total, KV_HEADS, DIM, generator=g)
+        k = torch.randn(total, KV_HEADS, DIM, generator=g).to(dtype)
+        v = torch.randn(total, KV_HEADS, DIM, generator=g).to(dtype)
         full_k.append(k)
         full_v.append(v)
         for pos in range(cached):  # what earlier steps stored
             slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
             cache.flatten(1, 2)[0, slot], cache.flatten(1, 2)[1, slot] = k[pos], v[pos]
-        q_parts.append(torch.randn(new, HEADS, DIM, generator=g))
+        q_parts.append(torch.randn(new, HEADS, DIM, generator=g).to(dtype))
         k_parts.append(k[cached:])
         v_parts.append(v[cached:])
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
@@ -67,5 +68,7 @@ def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window):
                              torch.tensor(slots), query_lens, context_lens, BLOCK)
     backend.prepare(meta)
     out = backend.forward(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), cache, meta, window)
-    expected = torch.cat([dense_attention(q, k, v, window) for q, k, v in zip(q_parts, full_k, full_v, strict=True)])
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    expected = torch.cat([dense_attention(q.float(), k.float(), v.float(), window)
+                          for q, k, v in zip(q_parts, full_k, full_v, strict=True)])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 output rounding
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)

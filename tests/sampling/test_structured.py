@@ -45,6 +45,10 @@ def compiler(tokenizer):
     return StructuredOutputCompiler(tokenizer, len(tokenizer), [EOS])
 
 
+def compile_state(compiler: StructuredOutputCompiler, guided: GuidedDecodingParams) -> GrammarState:
+    return GrammarState(compiler.submit(guided).result())
+
+
 def sample_texts(tokenizer, states: list[GrammarState], max_steps: int = 400, seed: int = 0) -> list[str]:
     """Sample with temperature 1 on random logits until every grammar terminates; return the texts."""
     vocab = len(tokenizer)
@@ -67,7 +71,7 @@ def sample_texts(tokenizer, states: list[GrammarState], max_steps: int = 400, se
 
 def test_fifty_json_schema_samples_validate(tokenizer, compiler):
     guided = GuidedDecodingParams(json=SCHEMA)
-    texts = sample_texts(tokenizer, [compiler.compile(guided) for _ in range(50)])
+    texts = sample_texts(tokenizer, [compile_state(compiler, guided) for _ in range(50)])
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(set(texts)) > 40  # really sampled, not one forced string
@@ -75,7 +79,7 @@ def test_fifty_json_schema_samples_validate(tokenizer, compiler):
 
 def test_json_without_free_whitespace(tokenizer, compiler):
     guided = GuidedDecodingParams(json=SCHEMA, disable_any_whitespace=True)
-    for text in sample_texts(tokenizer, [compiler.compile(guided) for _ in range(10)]):
+    for text in sample_texts(tokenizer, [compile_state(compiler, guided) for _ in range(10)]):
         jsonschema.validate(json.loads(text), SCHEMA)
         assert text == json.dumps(json.loads(text))  # one space after ':' and ',', nowhere else
 
@@ -83,7 +87,7 @@ def test_json_without_free_whitespace(tokenizer, compiler):
 def test_json_object_gives_json(tokenizer, compiler):
     guided = GuidedDecodingParams(json_object=True)
     # free JSON has unbounded strings: sample until some finish and check those
-    states = [compiler.compile(guided) for _ in range(8)]
+    states = [compile_state(compiler, guided) for _ in range(8)]
     vocab, sampler = len(tokenizer), Sampler(len(tokenizer), [EOS])
     outputs: list[list[int]] = [[] for _ in states]
     gen = torch.Generator().manual_seed(0)
@@ -102,10 +106,10 @@ def test_json_object_gives_json(tokenizer, compiler):
 
 def test_choice_and_regex(tokenizer, compiler):
     choices = ["yes", "no", 'say "hi"\n', "dog"]
-    texts = sample_texts(tokenizer, [compiler.compile(GuidedDecodingParams(choice=choices)) for _ in range(30)])
+    texts = sample_texts(tokenizer, [compile_state(compiler, GuidedDecodingParams(choice=choices)) for _ in range(30)])
     assert set(texts) <= set(choices) and len(set(texts)) >= 3
     pattern = r"(fox|dog)-[0-9]{2,4}"
-    for text in sample_texts(tokenizer, [compiler.compile(GuidedDecodingParams(regex=pattern)) for _ in range(10)]):
+    for text in sample_texts(tokenizer, [compile_state(compiler, GuidedDecodingParams(regex=pattern)) for _ in range(10)]):
         assert re.fullmatch(pattern, text)
 
 
@@ -113,7 +117,7 @@ def test_rows_without_grammar_are_unconstrained(tokenizer, compiler):
     vocab = len(tokenizer)
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)
-    state = compiler.compile(GuidedDecodingParams(choice=["dog"]))
+    state = compile_state(compiler, GuidedDecodingParams(choice=["dog"]))
     rows = [SamplingRow(greedy, [1], [], None), SamplingRow(greedy, [1], [], None, state),
             SamplingRow(greedy, [1], [], None)]
     out = Sampler(vocab, [EOS])(logits, rows)
@@ -129,14 +133,13 @@ def test_rows_without_grammar_are_unconstrained(tokenizer, compiler):
 ])
 def test_invalid_constraints_raise_a_clear_error(compiler, guided, param):
     with pytest.raises(InvalidRequestError) as err:
-        compiler.compile(guided)
+        compiler.submit(guided).result()
     assert err.value.param == param
     assert str(err.value).startswith(f"invalid {param}: ") and ".cc:" not in str(err.value)
 
 
 def test_compiled_grammars_are_cached_and_states_independent(compiler):
-    guided = GuidedDecodingParams(regex="ab|cd")
-    before = compiler._compile_cached.cache_info().hits
-    a, b = compiler.compile(guided), compiler.compile(GuidedDecodingParams(regex="ab|cd"))
-    assert compiler._compile_cached.cache_info().hits == before + 1
-    assert a.matcher is not b.matcher
+    first = compiler.submit(GuidedDecodingParams(regex="ab|cd")).result()
+    again = compiler.submit(GuidedDecodingParams(regex="ab|cd"))
+    assert again.done() and again.result() is first
+    assert GrammarState(first).matcher is not GrammarState(first).matcher

@@ -35,6 +35,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], **kw) -> str:
         return "".join(chr(97 + t % 26) for t in ids)
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(97 + t): t for t in range(VOCAB)}
+
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
                             add_generation_prompt: bool = True) -> str:
         return "".join(m["content"] for m in messages)
@@ -116,7 +119,7 @@ class FakeCore:
         self.requests: dict[str, _Request] = {}
         self.counters = EngineStats()
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> bool:
         ids, n = request.prompt_token_ids, request.sampling_params.n
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -125,6 +128,13 @@ class FakeCore:
         if sum(not r.steps for r in self.requests.values()) >= self.config.max_waiting_requests:
             raise EngineOverloadedError("too many requests are waiting; retry later")
         self.requests[request.request_id] = _Request(request, [[] for _ in range(n)], [None] * n)
+        return True
+
+    def admit_compiled(self) -> tuple[list[str], list]:
+        return [], []  # no grammars here: every add is admitted at once
+
+    def wait_handles(self) -> list:
+        return []
 
     def abort_requests(self, request_ids) -> None:
         for request_id in request_ids:
@@ -141,6 +151,9 @@ class FakeCore:
                     self._count("stop")
 
     def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_work_to_step(self) -> bool:
         return bool(self.requests)
 
     def step(self) -> list[EngineCoreOutput]:

@@ -119,7 +119,7 @@ def test_max_tokens_over_context_is_400_with_numbers(client):
 
 
 def test_core_rejection_is_400_before_streaming(fake_server):
-    body = {"prompt": "a" * 70, "max_tokens": 1, "stream": True}  # the core, not the front end, refuses it
+    body = {"prompt": [0] * 70, "max_tokens": 1, "stream": True}  # token ids: the core, not the front end, refuses
     r = httpx.post(fake_server.url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "prompt" and fake_server.engine.num_in_flight == 0

@@ -1,0 +1,131 @@
+// Paged attention for the CPU: each query reads its sequence's keys and values in place through the block
+// table (no gather into a new tensor), with a block-wise online softmax in float32. Covers any number of
+// queries per sequence (decode, speculative verification, prefill chunks over a cached prefix), GQA and
+// sliding windows. Work is split over (sequence, KV head) pairs, so each key/value row is read and converted
+// once for all the query heads that share it; cost grows with the positions each query attends.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Row conversion to float32, written so the compiler vectorizes it (bfloat16 is the top half of a float).
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    dst[i] = f;
+  }
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {  // float16, float64
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+void attend(const T* q, const T* cache, const int32_t* block_table, const int32_t* seq_lens,
+            const int32_t* query_begin, const int32_t* query_end, T* out, int64_t num_seqs, int64_t num_heads,
+            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_width,
+            float scale, int64_t window) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_heads * head_dim;   // q and out: [T, H, D]
+  const int64_t slot_stride = num_kv_heads * head_dim;  // cache: [2, NB, BS, KVH, D]
+  const int64_t block_stride = block_size * slot_stride;
+  const int64_t value_offset = num_blocks * block_stride;
+  const int64_t D = head_dim;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * D), acc(group * D), keys(block_size * D), values(block_size * D);
+    std::vector<float> scores(block_size), running_max(group), denom(group);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
+      const int64_t q_begin = query_begin[b], q_end = query_end[b];
+      const int64_t seq_len = seq_lens[b], num_q = q_end - q_begin;
+      const int32_t* table = block_table + b * table_width;
+      for (int64_t t = q_begin; t < q_end; ++t) {
+        const int64_t pos = seq_len - num_q + (t - q_begin);
+        const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        to_float(q + t * token_stride + kvh * group * D, qf.data(), group * D);
+        for (auto& x : qf) x *= scale;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(denom.begin(), denom.end(), 0.0f);
+        for (int64_t j0 = first; j0 <= pos;) {
+          const int64_t offset = j0 % block_size;
+          const int64_t n = std::min(block_size - offset, pos - j0 + 1);  // positions of this block to read
+          const int64_t row0 = static_cast<int64_t>(table[j0 / block_size]) * block_stride + offset * slot_stride +
+                               kvh * D;
+          for (int64_t r = 0; r < n; ++r) {
+            to_float(cache + row0 + r * slot_stride, keys.data() + r * D, D);
+            to_float(cache + value_offset + row0 + r * slot_stride, values.data() + r * D, D);
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * D;
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int64_t r = 0; r < n; ++r) {
+              const float* k = keys.data() + r * D;
+              float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+              for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+              scores[r] = s;
+              block_max = std::max(block_max, s);
+            }
+            const float new_max = std::max(running_max[g], block_max);
+            const float correction = std::exp(running_max[g] - new_max);  // 0 on the first block
+            float* a = acc.data() + g * D;
+            float sum = 0.0f;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+            for (int64_t r = 0; r < n; ++r) {
+              const float p = std::exp(scores[r] - new_max);
+              sum += p;
+              const float* v = values.data() + r * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            }
+            denom[g] = denom[g] * correction + sum;
+            running_max[g] = new_max;
+          }
+          j0 += n;
+        }
+        T* o = out + t * token_stride + kvh * group * D;
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(acc[g * D + d] / denom[g]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [T, H, D]; kv_cache: [2, NB, BS, KVH, D] (same dtype); block_table: [B, W] int32; seq_lens: [B] int32;
+// query_begin, query_end: [B] int32, sequence b's queries are rows [begin, end) of q (an empty range skips it:
+// its rows of the result are left for another path). Returns [T, H, D].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                              torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
+                              double scale, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must have one dtype");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attend<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
+                     seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
+                     out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2),
+                     kv_cache.size(2), kv_cache.size(1), block_table.size(1), static_cast<float>(scale), window);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention reading K/V through the block table");
+}
