@@ -48,5 +48,10 @@ class UnquantizedLinearMethod(QuantizationMethod):
         layer.register_parameter("weight", linear_parameter(weight, output_dim=0))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``."""
+        """``F.linear(x, weight, bias)``; one bfloat16 row on the CPU goes through ``torch.mv`` instead."""
+        if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            # torch's bf16 matrix-vector kernel runs at about twice the speed of its one-row GEMM here
+            # (docs/performance.md): a single stream's decode step is mostly these products
+            y = torch.mv(layer.weight, x[0]).unsqueeze(0)
+            return y if bias is None else y + bias
         return F.linear(x, layer.weight, bias)

@@ -151,3 +151,24 @@ def test_unknown_tensor_is_a_load_error_naming_it(tiny_model_dir, tmp_path, extr
     save_file({**tensors, extra: torch.ones(4)}, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=f"unexpected tensor {extra} in checkpoint"):
         load_model(str(model_dir), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_bfloat16_row_takes_the_matrix_vector_path_with_the_same_result(bias, monkeypatch):
+    from heron.layers.linear import Linear
+
+    layer = Linear(64, 96, bias=bias)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    calls = []
+    real_mv = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda *a: calls.append(1) or real_mv(*a))
+    got = layer(x)
+    expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float() if bias else None)
+    assert calls == [1]
+    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.02)
+    layer(torch.randn(2, 64, dtype=torch.bfloat16))  # two rows: the matrix product
+    assert calls == [1]
