@@ -19,9 +19,26 @@ def test_server_command_enables_continuous_batching_with_one_context_per_slot():
     assert cmd[cmd.index("--threads") + 1] == "2"
 
 
+def test_isa_flags_follow_the_cpu_and_never_enable_amx():
+    spr = frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"})
+    flags = llamacpp.isa_flags(spr)
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512=ON" in flags and "-DGGML_AVX512_BF16=ON" in flags
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(flags)
+    assert not any(f.startswith("-DGGML_AMX") and f.endswith("=ON") for f in flags)
+    avx2_only = llamacpp.isa_flags(frozenset({"avx", "avx2", "fma", "f16c"}))
+    assert "-DGGML_AVX2=ON" in avx2_only and "-DGGML_AVX512=OFF" in avx2_only
+
+
+def test_builds_for_different_cpus_live_apart(monkeypatch):
+    monkeypatch.setattr("heron.cpu.cpu_flags", lambda: frozenset({"avx2"}))
+    one = llamacpp.build_dir()
+    monkeypatch.setattr("heron.cpu.cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert llamacpp.build_dir() != one
+
+
 def test_build_reuses_the_cached_binary(tmp_path, monkeypatch):
     monkeypatch.setenv("HERON_CACHE", str(tmp_path))
-    binary = tmp_path / "llamacpp" / "build" / "bin" / "llama-server"
+    binary = llamacpp.server_binary()
     binary.parent.mkdir(parents=True)
     binary.write_text("#!/bin/sh\n")
     monkeypatch.setattr(llamacpp, "_run", lambda *a: (_ for _ in ()).throw(AssertionError("must not rebuild")))

@@ -7,6 +7,7 @@ Nothing of llama.cpp is kept in heron's repository: sources and binary live unde
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -17,9 +18,24 @@ from pathlib import Path
 from heron.errors import ConfigError
 
 SDIST = "llama-cpp-python"
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF")
+# ggml ISA options and the CPU flag each needs. AMX stays off whatever the CPU has: ggml's AMX path segfaults in
+# ggml_backend_amx_mul_mat on the Sapphire Rapids machines heron is measured on, and a baseline that crashes is
+# no baseline; hence no GGML_NATIVE either (it would turn AMX on).
+_ISA = (("GGML_AVX", "avx"), ("GGML_AVX2", "avx2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"),
+        ("GGML_AVX512", "avx512f"), ("GGML_AVX512_VBMI", "avx512vbmi"), ("GGML_AVX512_VNNI", "avx512_vnni"),
+        ("GGML_AVX512_BF16", "avx512_bf16"))
+
+
+def isa_flags(cpu_flags: frozenset[str] | None = None) -> list[str]:
+    """cmake options for this CPU's instruction sets, explicitly, with AMX off."""
+    from heron.cpu import cpu_flags as detected
+
+    flags = detected() if cpu_flags is None else cpu_flags
+    options = [f"-D{option}={'ON' if flag in flags else 'OFF'}" for option, flag in _ISA]
+    return ["-DGGML_NATIVE=OFF", *options, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def cache_dir() -> Path:
@@ -29,9 +45,15 @@ def cache_dir() -> Path:
     return heron_cache_dir() / "llamacpp"
 
 
+def build_dir() -> Path:
+    """The build folder, one per set of ISA options (a build for another CPU is never reused)."""
+    key = hashlib.sha256(" ".join(isa_flags()).encode()).hexdigest()[:12]
+    return cache_dir() / f"build-{key}"
+
+
 def server_binary() -> Path:
     """Path of the built ``llama-server``."""
-    return cache_dir() / "build" / "bin" / "llama-server"
+    return build_dir() / "bin" / "llama-server"
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -65,17 +87,18 @@ def fetch_sources(version: str | None = None) -> Path:
 
 
 def build(jobs: int | None = None, version: str | None = None, force: bool = False) -> Path:
-    """Build ``llama-server`` (CPU, native instructions) unless already built; return the binary's path."""
+    """Build ``llama-server`` (CPU, this CPU's instruction sets without AMX) unless already built; return the
+    binary's path."""
     binary = server_binary()
     if binary.is_file() and not force:
         return binary
     if not shutil.which("cmake"):
         raise ConfigError("building llama-server needs cmake and a C++ compiler (apt-get install cmake g++)")
     vendor = fetch_sources(version)
-    build_dir = cache_dir() / "build"
+    folder = build_dir()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _run(["cmake", "-S", str(vendor), "-B", str(build_dir), *generator, *CMAKE_FLAGS], "cmake configure")
-    _run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)],
+    _run(["cmake", "-S", str(vendor), "-B", str(folder), *generator, *CMAKE_FLAGS, *isa_flags()], "cmake configure")
+    _run(["cmake", "--build", str(folder), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)],
          "cmake build of llama-server")
     return binary
 
