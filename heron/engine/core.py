@@ -193,8 +193,8 @@ class EngineCore:
                                       f"got {params.n}", param="n")
         if params.best_of > params.n:
             raise InvalidRequestError("best_of > n is not supported", param="best_of")
-        if params.bad_words and params.bad_words_token_ids is None:
-            params.update_from_tokenizer(self.tokenizer)
+        if params.bad_words and params.bad_words_token_ids is None:  # the front end tokenizes them, not the core
+            raise InvalidRequestError("bad_words reached the engine core untokenized", param="bad_words")
         params.verify_token_ids(self.vocab_size)
 
     def _generator(self, params, index: int) -> torch.Generator | None:
