@@ -3,45 +3,20 @@
 Sequences with few queries this step (decodes, speculative verification: at most ``MAX_KERNEL_QUERIES``) go
 through the kernel, whose cost grows with the positions each query attends, not with the batch's longest
 context, and which never gathers a context into a new tensor. Long prefill chunks stay on the reference path
-(gather + SDPA), where a blocked matmul beats a per-query loop. The kernel is built with
-``torch.utils.cpp_extension`` at first use and cached under heron's cache directory, keyed by the source,
-torch's version and the CPU's flags (it is compiled for this CPU); without a compiler the engine falls back to
-the reference backend with one warning.
+(gather + SDPA), where a blocked matmul beats a per-query loop. The kernel is part of heron's CPU extension
+(heron/kernels), built at first use; without a compiler the engine falls back to the reference backend with one
+warning.
 """
 
 from __future__ import annotations
-
-import functools
-import hashlib
-import logging
-from pathlib import Path
 
 import torch
 
 from heron.attention.backend import AttentionMetadata
 from heron.attention.reference import ReferenceBackend
-from heron.cpu import cpu_flags
-
-logger = logging.getLogger(__name__)
+from heron.kernels import load_cpu_kernels
 
 MAX_KERNEL_QUERIES = 16
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-
-
-@functools.lru_cache(maxsize=1)
-def load_kernel():
-    """The compiled extension module (built once per source, torch version and CPU; then loaded from cache)."""
-    from torch.utils.cpp_extension import load
-
-    from heron.model.default_model import heron_cache_dir
-
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()
-                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
-    build_dir = heron_cache_dir() / "kernels" / f"paged_attention-{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("loading the CPU paged-attention kernel (compiled into %s on first use)", build_dir)
-    return load(name="heron_paged_attention", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 class CpuPagedBackend(ReferenceBackend):
@@ -50,7 +25,7 @@ class CpuPagedBackend(ReferenceBackend):
     name = "cpu_paged"
 
     def __init__(self) -> None:
-        self.kernel = load_kernel()
+        self.kernel = load_cpu_kernels()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         few = [q <= MAX_KERNEL_QUERIES for q in meta.query_lens]
@@ -63,9 +38,9 @@ class CpuPagedBackend(ReferenceBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
-        self._store(kv_cache, k, v, meta.slot_mapping)
+        self.kernel.store_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, meta.slot_mapping)
         begin, end, _ = meta.backend_data["kernel"]
-        out = self.kernel.paged_attention(q.to(kv_cache.dtype).contiguous(), kv_cache, meta.block_table,
+        out = self.kernel.paged_attention(q.to(kv_cache.dtype), kv_cache, meta.block_table,
                                           meta.seq_lens, begin, end, q.shape[-1] ** -0.5,
                                           sliding_window or 0).to(q.dtype)
         for group in meta.backend_data["groups"]:

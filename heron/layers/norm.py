@@ -1,10 +1,12 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it (one C++ op on the CPU)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from heron.kernels import kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +23,12 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``, returns ``(norm(x + residual), x + residual)``."""
+        """``norm(x)``; with ``residual``, returns ``(norm(x + residual), x + residual)`` (on the CPU the sum is
+        written into ``residual``)."""
+        kernels = kernels_for(x)
+        if kernels is not None and x.is_contiguous() and self.weight.dtype == x.dtype:
+            out = kernels.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from heron.kernels import kernels_for
 
 
 def _rope_parameters(config) -> dict:
@@ -25,6 +29,15 @@ def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
 
 
+@dataclass
+class RopeInputs:
+    """A forward's positions, with their cos and sin when RoPE runs as PyTorch ops."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key tensors of shape ``[tokens, heads, head_dim]`` at given positions."""
 
@@ -42,10 +55,18 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at ``positions``, shaped to broadcast over heads; computed once per forward."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """What every layer's ``forward`` needs at ``positions``, computed once per model forward: the
+        positions alone where the C++ kernel applies RoPE, else cos and sin shaped to broadcast over heads."""
+        if kernels_for(positions) is not None:
+            return RopeInputs(positions)
+        return RopeInputs(positions, self.cos[positions].unsqueeze(1).to(dtype),
+                          self.sin[positions].unsqueeze(1).to(dtype))
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        cos, sin = cos_sin
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def forward(self, rope: RopeInputs, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q [T, heads, dim] and k [T, kv_heads, dim] (in place on the kernel path)."""
+        if rope.cos is None:
+            kernels_for(q).rotary_embedding(rope.positions, q, k, self.cos, self.sin)
+            return q, k
+        return (q * rope.cos + self._rotate_half(q) * rope.sin,
+                k * rope.cos + self._rotate_half(k) * rope.sin)

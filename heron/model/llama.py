@@ -12,7 +12,7 @@ from heron.layers.activation import SiluAndMul
 from heron.layers.attention import PagedAttention
 from heron.layers.linear import Linear, MergedLinear
 from heron.layers.norm import RMSNorm
-from heron.layers.rotary import RotaryEmbedding
+from heron.layers.rotary import RopeInputs, RotaryEmbedding
 from heron.quantization import quantization_method_for
 
 
@@ -48,14 +48,14 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window)
 
-    def forward(self, cos_sin, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RopeInputs, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(cos_sin, q, k)
+        q, k = self.rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -82,12 +82,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, cos_sin, hidden, residual, meta):
+    def forward(self, rope: RopeInputs, hidden, residual, meta):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(cos_sin, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -125,9 +125,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        cos_sin = self.rotary.lookup(positions, hidden.dtype)
+        rope = self.rotary.prepare(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(cos_sin, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

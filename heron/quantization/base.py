@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heron.cpu import has_native_bf16
+from heron.kernels import kernels_for
+
+GEMV_MAX_ROWS = 4  # the rows heron's bfloat16 matrix-vector kernel takes (it reads W once for all of them)
+
 
 def linear_parameter(data: torch.Tensor, output_dim: int | None = None) -> nn.Parameter:
     """A frozen parameter of a linear layer; ``output_dim`` is its per-output-row axis, if it has one."""
@@ -48,10 +53,12 @@ class UnquantizedLinearMethod(QuantizationMethod):
         layer.register_parameter("weight", linear_parameter(weight, output_dim=0))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``; one bfloat16 row on the CPU goes through ``torch.mv`` instead."""
-        if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            # torch's bf16 matrix-vector kernel runs at about twice the speed of its one-row GEMM here
-            # (docs/performance.md): a single stream's decode step is mostly these products
-            y = torch.mv(layer.weight, x[0]).unsqueeze(0)
-            return y if bias is None else y + bias
+        """``F.linear(x, weight, bias)``; up to ``GEMV_MAX_ROWS`` bfloat16 rows on a CPU with native bfloat16 go
+        through heron's one-row kernel instead."""
+        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
+            kernels = kernels_for(x)
+            if kernels is not None and has_native_bf16():
+                # torch's one-row bf16 kernels read the weight at about half the memory speed here
+                # (docs/performance.md): a small batch's decode step is mostly these products
+                return kernels.gemv_bf16(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)

@@ -154,21 +154,26 @@ def test_unknown_tensor_is_a_load_error_naming_it(tiny_model_dir, tmp_path, extr
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_bfloat16_row_takes_the_matrix_vector_path_with_the_same_result(bias, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_few_bfloat16_rows_take_the_matrix_vector_kernel_with_the_same_result(rows, bias, monkeypatch):
+    from heron.cpu import has_native_bf16
+    from heron.kernels import cpu_kernels
     from heron.layers.linear import Linear
+    from heron.quantization.base import GEMV_MAX_ROWS
 
-    layer = Linear(64, 96, bias=bias)
+    kernels = cpu_kernels()
+    if kernels is None or not has_native_bf16():
+        pytest.skip("needs heron's CPU kernels and native bfloat16")
+    layer = Linear(100, 77, bias=bias)  # sizes that are not multiples of the kernel's tiles
     torch.nn.init.normal_(layer.weight)
     if bias:
         torch.nn.init.normal_(layer.bias)
     layer = layer.to(torch.bfloat16)
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    x = torch.randn(rows, 100, dtype=torch.bfloat16)
     calls = []
-    real_mv = torch.mv
-    monkeypatch.setattr(torch, "mv", lambda *a: calls.append(1) or real_mv(*a))
+    real = kernels.gemv_bf16
+    monkeypatch.setattr(kernels, "gemv_bf16", lambda *a: calls.append(1) or real(*a))
     got = layer(x)
     expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float() if bias else None)
-    assert calls == [1]
+    assert calls == ([1] if rows <= GEMV_MAX_ROWS else [])
     torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.02)
-    layer(torch.randn(2, 64, dtype=torch.bfloat16))  # two rows: the matrix product
-    assert calls == [1]

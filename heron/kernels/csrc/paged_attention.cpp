@@ -34,12 +34,12 @@ inline void to_float(const T* src, float* dst, int64_t n) {  // float16, float64
 }
 
 template <typename T>
-void attend(const T* q, const T* cache, const int32_t* block_table, const int32_t* seq_lens,
+void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_table, const int32_t* seq_lens,
             const int32_t* query_begin, const int32_t* query_end, T* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_width,
             float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_heads * head_dim;   // q and out: [T, H, D]
+  const int64_t token_stride = num_heads * head_dim;   // out: [T, H, D]; q's rows may be strided
   const int64_t slot_stride = num_kv_heads * head_dim;  // cache: [2, NB, BS, KVH, D]
   const int64_t block_stride = block_size * slot_stride;
   const int64_t value_offset = num_blocks * block_stride;
@@ -55,7 +55,7 @@ void attend(const T* q, const T* cache, const int32_t* block_table, const int32_
       for (int64_t t = q_begin; t < q_end; ++t) {
         const int64_t pos = seq_len - num_q + (t - q_begin);
         const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        to_float(q + t * token_stride + kvh * group * D, qf.data(), group * D);
+        to_float(q + t * q_stride + kvh * group * D, qf.data(), group * D);
         for (auto& x : qf) x *= scale;
         std::fill(acc.begin(), acc.end(), 0.0f);
         std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
@@ -108,24 +108,21 @@ void attend(const T* q, const T* cache, const int32_t* block_table, const int32_
 
 }  // namespace
 
-// q: [T, H, D]; kv_cache: [2, NB, BS, KVH, D] (same dtype); block_table: [B, W] int32; seq_lens: [B] int32;
+// q: [T, H, D] (rows may be strided); kv_cache: [2, NB, BS, KVH, D] (same dtype); block_table: [B, W] int32; seq_lens: [B] int32;
 // query_begin, query_end: [B] int32, sequence b's queries are rows [begin, end) of q (an empty range skips it:
 // its rows of the result are left for another path). Returns [T, H, D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                               torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
                               double scale, int64_t window) {
-  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && kv_cache.is_contiguous() &&
+              block_table.is_contiguous(), "contiguous heads of q, a contiguous pool and block table");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must have one dtype");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
+    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
                      seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
                      out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2),
                      kv_cache.size(2), kv_cache.size(1), block_table.size(1), static_cast<float>(scale), window);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention reading K/V through the block table");
 }

@@ -1,0 +1,60 @@
+"""heron's own CPU kernels: a C++ extension built with ``torch.utils.cpp_extension`` at first use.
+
+The extension (``csrc/*.cpp``) holds the paged-attention kernel, the fused small ops of a decoder layer
+(residual + RMSNorm, RoPE, SwiGLU, the KV-pool write) and a bfloat16 one-row matmul. It is compiled for this
+CPU (``-march=native``) and cached under heron's cache directory, keyed by the sources, torch's version and the
+CPU's flags. Where it cannot be built (no compiler) ``cpu_kernels()`` is None after one warning and the layers
+use their PyTorch form; ``HERON_CPU_KERNELS=0`` forces that form (to compare against it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from heron.cpu import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_kernels() -> ModuleType:
+    """The compiled extension (built once per source, torch version and CPU; then loaded from the cache).
+    Raises when it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    from heron.model.default_model import heron_cache_dir
+
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    build_dir = heron_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("loading heron's CPU kernels (compiled into %s on first use)", build_dir)
+    return load(name="heron_cpu_kernels", sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    """The extension, or None (after one warning) where it cannot be built or ``HERON_CPU_KERNELS=0``."""
+    if os.environ.get("HERON_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return load_cpu_kernels()
+    except Exception as e:  # noqa: BLE001 - no compiler, a broken toolchain: fall back to PyTorch ops
+        logger.warning("heron's CPU kernels could not be built (%s); using PyTorch ops instead", e)
+        return None
+
+
+def kernels_for(t: torch.Tensor) -> ModuleType | None:
+    """The CPU kernels when ``t`` lives on the CPU and they are available, else None."""
+    return cpu_kernels() if t.device.type == "cpu" else None

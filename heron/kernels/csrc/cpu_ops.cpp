@@ -1,0 +1,244 @@
+// Fused small ops and a one-row matmul for the CPU decode path. A decode step of a small model is thousands of
+// tiny tensor ops; each of these replaces three to eight of them (one pass over the data instead of several,
+// one dispatch instead of several), computing in float32 and rounding once to the tensor's dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline float to_f32(const T* p) { return static_cast<float>(*p); }
+inline float to_f32(const at::BFloat16* p) {
+  uint32_t u = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+template <typename T>
+inline void from_f32(T* p, float v) { *p = static_cast<T>(v); }  // bfloat16, float16: round to nearest even
+template <typename T>
+inline float round_to(T, float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t H, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t t = begin; t < end; ++t) {
+      float sum_sq = 0.0f;
+      for (int64_t i = 0; i < H; ++i) {
+        float v = to_f32(x + t * H + i);
+        if (residual != nullptr) {
+          v = round_to(T(), v + to_f32(residual + t * H + i));  // the sum is kept in T, as the unfused add does
+          from_f32(residual + t * H + i, v);
+        }
+        row[i] = v;
+        sum_sq += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + eps);
+      for (int64_t i = 0; i < H; ++i)
+        from_f32(out + t * H + i, to_f32(weight + i) * round_to(T(), row[i] * inv));
+    }
+  });
+}
+
+template <typename T>
+void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* r = x + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f32(r + i), x2 = to_f32(r + half + i);
+      from_f32(r + i, x1 * cos[i] - x2 * sin[i]);
+      from_f32(r + half + i, x2 * cos[i] + x1 * sin[i]);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// One output row block of y = x W^T for R rows of x, NR rows of W: W is read once, at memory speed, with
+// bf16 pairs multiplied and summed into float32 lanes (vdpbf16ps).
+template <int R>
+void gemv_block(const uint16_t* x, const uint16_t* w, const float* bias, int64_t K, int64_t n0, int64_t n1,
+                at::BFloat16* y, int64_t N) {
+  constexpr int NR = 4;
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n1 - n);
+    __m512 acc[R][NR];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : ((__mmask32(1) << (K - k)) - 1);
+      __m512i wv[NR];
+      for (int j = 0; j < NR; ++j) {
+        wv[j] = j < nr ? _mm512_maskz_loadu_epi16(mask, w + (n + j) * K + k) : _mm512_setzero_si512();
+        // rows are short streams: fetch the next row block ahead of the hardware prefetcher
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + 2 * NR + j) * K + k), _MM_HINT_T0);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + r * K + k);
+        for (int j = 0; j < NR; ++j)
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)xv, (__m512bh)wv[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < nr; ++j)
+        y[r * N + n + j] = at::BFloat16(_mm512_reduce_add_ps(acc[r][j]) + (bias ? bias[n + j] : 0.0f));
+  }
+}
+#endif
+
+void gemv_rows(const uint16_t* x, const uint16_t* w, const float* bias, int64_t M, int64_t K, int64_t n0,
+               int64_t n1, at::BFloat16* y, int64_t N) {
+#if defined(__AVX512BF16__)
+  switch (M) {
+    case 1: return gemv_block<1>(x, w, bias, K, n0, n1, y, N);
+    case 2: return gemv_block<2>(x, w, bias, K, n0, n1, y, N);
+    case 3: return gemv_block<3>(x, w, bias, K, n0, n1, y, N);
+    default: return gemv_block<4>(x, w, bias, K, n0, n1, y, N);
+  }
+#else
+  const auto* xb = reinterpret_cast<const at::BFloat16*>(x);
+  const auto* wb = reinterpret_cast<const at::BFloat16*>(w);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < M; ++r) {
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < K; ++k) s += to_f32(xb + r * K + k) * to_f32(wb + n * K + k);
+      y[r * N + n] = at::BFloat16(s + (bias ? bias[n] : 0.0f));
+    }
+#endif
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+}  // namespace
+
+// out = norm(x) * weight; with residual: residual += x (in place), out = norm(residual) * weight.
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: contiguous x and a weight of x's dtype");
+  const int64_t H = x.size(-1), rows = x.numel() / H;
+  if (residual.has_value())
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                residual->scalar_type() == x.scalar_type(), "rms_norm: residual like x");
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, H, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Rotate-half RoPE applied in place to q [T, H, D] and k [T, KVH, D] (rows may be strided views of a fused
+// projection); cos and sin: float32 [max_positions, D] tables, looked up at positions [T] (int64).
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                      torch::Tensor sin) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
+              k.stride(1) == k.size(2) && q.scalar_type() == k.scalar_type(), "rotary_embedding: q, k layout");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous(), "rotary_embedding: int64 positions, float32 tables");
+  const int64_t T = q.size(0), D = q.size(2);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cos.data_ptr<float>() + pos[t] * cos.size(1);
+        const float* s = sin.data_ptr<float>() + pos[t] * sin.size(1);
+        rotate(qp + t * q.stride(0), q.stride(0), q.size(1), D, c, s);
+        rotate(kp + t * k.stride(0), k.stride(0), k.size(1), D, c, s);
+      }
+    });
+  });
+}
+
+// SwiGLU on a fused gate/up projection: x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I].
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous(), "silu_and_mul: contiguous x");
+  const int64_t I = x.size(-1) / 2, rows = x.numel() / x.size(-1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t i = 0; i < I; ++i) {
+          const float g = to_f32(xp + t * 2 * I + i), u = to_f32(xp + t * 2 * I + I + i);
+          from_f32(op + t * I + i, g / (1.0f + std::exp(-g)) * u);
+        }
+    });
+  });
+  return out;
+}
+
+// y = x W^T (+ bias) for a few bfloat16 rows x [M <= 4, K] and a dense W [N, K]; float32 accumulation.
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+              x.size(0) <= 4 && x.is_contiguous() && weight.is_contiguous() && x.size(1) == weight.size(1),
+              "gemv_bf16: bfloat16 x [M <= 4, K] and W [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor bias_f32;
+  if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // chunks of 64 output rows: even work per thread, and each thread streams its own part of W
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+    gemv_rows(xp, wp, bp, M, K, begin * 64, std::min(end * 64, N), yp, N);
+  });
+  return y;
+}
+
+// Writes this step's keys and values [T, KVH, D] (strided rows allowed) into slots of the paged pool
+// [2, NB, BS, KVH, D]; a negative slot skips the token.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slots) {
+  check_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type() &&
+              kv_cache.is_contiguous() && slots.scalar_type() == at::kLong && k.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2), "store_kv: layouts");
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t elem = kv_cache.element_size();
+  char* key_base = static_cast<char*>(kv_cache.data_ptr());
+  char* value_base = key_base + num_slots * row * elem;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < num_slots, "store_kv: slot out of range");
+    std::memcpy(key_base + slot[t] * row * elem, kp + t * k.stride(0) * elem, row * elem);
+    std::memcpy(value_base + slot[t] * row * elem, vp + t * v.stride(0) * elem, row * elem);
+  }
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                              torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
+                              double scale, int64_t window);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm, fused with the residual add when given one");
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place on q and k");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused gate/up projection");
+  m.def("gemv_bf16", &gemv_bf16, "bfloat16 y = x W^T for a few rows, at memory speed");
+  m.def("store_kv", &store_kv, "write keys and values into their paged-pool slots");
+  m.def("paged_attention", &paged_attention, "paged attention reading K/V through the block table");
+}

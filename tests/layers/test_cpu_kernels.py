@@ -1,0 +1,131 @@
+"""heron's C++ CPU ops against the PyTorch forms they replace."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from heron.kernels import cpu_kernels
+from heron.layers.activation import SiluAndMul
+from heron.layers.norm import RMSNorm
+from heron.layers.rotary import RopeInputs, RotaryEmbedding
+
+kernels = cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="heron's CPU kernels cannot be built here")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@contextlib.contextmanager
+def pytorch_ops():
+    """Layers take their PyTorch form inside the block."""
+    old = os.environ.get("HERON_CPU_KERNELS")
+    os.environ["HERON_CPU_KERNELS"] = "0"
+    cpu_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["HERON_CPU_KERNELS"]
+        else:
+            os.environ["HERON_CPU_KERNELS"] = old
+        cpu_kernels.cache_clear()
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_residual_matches_the_unfused_form(dtype):
+    norm = RMSNorm(96, 1e-5)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    norm = norm.to(dtype)
+    x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
+    out, summed = norm(x, residual.clone())
+    with pytorch_ops():
+        ref_out, ref_sum = norm(x, residual.clone())
+        ref_plain = norm(x)
+    torch.testing.assert_close(summed, ref_sum, atol=0, rtol=0)  # the sum is rounded to dtype, as x + r is
+    torch.testing.assert_close(out, ref_out, **tolerance(dtype))
+    torch.testing.assert_close(norm(x), ref_plain, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_views_matches_the_pytorch_form(dtype):
+    from transformers import LlamaConfig
+
+    heads, kv_heads, dim = 4, 2, 16
+    rotary = RotaryEmbedding(LlamaConfig(head_dim=dim, rope_theta=10000.0), dim, 64)
+    fused = torch.randn(5, (heads + 2 * kv_heads) * dim, dtype=dtype)  # a q/k/v projection's output
+    q = fused[:, : heads * dim].view(5, heads, dim)
+    k = fused[:, heads * dim: (heads + kv_heads) * dim].view(5, kv_heads, dim)
+    positions = torch.tensor([0, 3, 9, 10, 63])
+    cos = rotary.cos[positions].unsqueeze(1).to(dtype)
+    sin = rotary.sin[positions].unsqueeze(1).to(dtype)
+    ref_q, ref_k = rotary(RopeInputs(positions, cos, sin), q.clone(), k.clone())
+    v_before = fused[:, (heads + kv_heads) * dim:].clone()
+    got_q, got_k = rotary(RopeInputs(positions), q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place, in the fused tensor
+    torch.testing.assert_close(got_q, ref_q, **tolerance(dtype))
+    torch.testing.assert_close(got_k, ref_k, **tolerance(dtype))
+    assert torch.equal(fused[:, (heads + kv_heads) * dim:], v_before)  # values untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_the_pytorch_form(dtype):
+    x = torch.randn(6, 2 * 40, dtype=dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(SiluAndMul()(x).float(), torch.nn.functional.silu(gate) * up, **tolerance(dtype))
+
+
+def test_store_kv_writes_strided_rows_into_their_slots_and_skips_negative_ones():
+    cache = torch.zeros(2, 3, 4, 2, 8)  # [2, blocks, block_size, kv_heads, dim]
+    fused = torch.randn(3, 3 * 16)
+    k, v = fused[:, 16:32].view(3, 2, 8), fused[:, 32:].view(3, 2, 8)
+    kernels.store_kv(k, v, cache, torch.tensor([5, -1, 11]))
+    flat = cache.flatten(1, 2)
+    assert torch.equal(flat[0, 5], k[0]) and torch.equal(flat[1, 11], v[2])
+    assert flat[:, [i for i in range(12) if i not in (5, 11)]].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.store_kv(k, v, cache, torch.tensor([0, 1, 12]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gemv_bf16_equals_a_float32_matmul_rounded_once(rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 77, dtype=torch.bfloat16)
+    w = torch.randn(301, 77, dtype=torch.bfloat16)  # neither size a multiple of the kernel's tiles
+    bias = torch.randn(301, dtype=torch.bfloat16)
+    expected = (x.float() @ w.float().T + bias.float()).to(torch.bfloat16)
+    got = kernels.gemv_bf16(x, w, bias)
+    # float32 sums in another order: at most one bfloat16 rounding step apart
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=8e-3)
+    with pytest.raises(RuntimeError, match="M <= 4"):
+        kernels.gemv_bf16(torch.randn(5, 77, dtype=torch.bfloat16), w, None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_with_cpu_kernels_equals_its_pytorch_form(tiny_model_dir, arch, dtype):
+    """Whole forwards (prefill, then decode steps through the fused ops and the one-row matmul) agree."""
+    from helpers import heron_logits
+
+    from heron import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir(arch)), block_size=8, dtype=dtype)
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fused_logits = heron_logits(llm, prompt)
+    fused_tokens = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytorch_ops():
+        ref_logits = heron_logits(llm, prompt)
+        ref_tokens = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    if dtype == "float32":
+        torch.testing.assert_close(fused_logits, ref_logits, atol=1e-4, rtol=1e-4)
+        assert fused_tokens == ref_tokens
+    else:  # rounding differs (one rounding per fused op instead of one per PyTorch op): close, not equal
+        assert (fused_logits - ref_logits).abs().max() < 0.1 * ref_logits.abs().max()
+        assert fused_tokens[:4] == ref_tokens[:4]
