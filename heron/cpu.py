@@ -4,7 +4,11 @@ others, neither on many)."""
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # ISA flags with native bfloat16 arithmetic: AVX-512 BF16 (Cooper Lake, Zen 4+) and AMX (Sapphire Rapids+)
 _NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
@@ -25,3 +29,36 @@ def cpu_flags() -> frozenset[str]:
 def has_native_bf16() -> bool:
     """Whether bfloat16 matmuls run natively here (so bfloat16 weights are faster, not emulated)."""
     return any(flag in cpu_flags() for flag in _NATIVE_BF16)
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or taskset's limit, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def engine_threads(requested: int | None, serving: bool) -> int:
+    """Intra-op threads for the engine core: ``requested`` (or ``HERON_CPU_THREADS``), else every usable core,
+    less one for the API process when serving on 4 or more cores. On fewer, taking a core from a 2-core core
+    costs more than the API process's contention does (docs/performance.md)."""
+    if requested is None and os.environ.get("HERON_CPU_THREADS"):
+        requested = int(os.environ["HERON_CPU_THREADS"])
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, got {requested}")
+        return requested
+    cores = usable_cores()
+    return cores - 1 if serving and cores >= 4 else cores
+
+
+def set_engine_threads(requested: int | None, serving: bool) -> int:
+    """Apply ``engine_threads`` to torch's intra-op pool (and heron's kernels, which share it); returns it."""
+    import torch
+
+    threads = engine_threads(requested, serving)
+    torch.set_num_threads(threads)
+    logger.info("engine core: %d CPU threads (of %d usable cores%s)", threads, usable_cores(),
+                "; set with --cpu-threads" if requested is None else "")
+    return threads

@@ -18,6 +18,7 @@ from heron.cpu import has_native_bf16
 from heron.kernels import kernels_for
 
 GEMV_MAX_ROWS = 4  # the rows heron's bfloat16 matrix-vector kernel takes (it reads W once for all of them)
+ONEDNN_PACK_ROWS = 32  # the batch size oneDNN picks its packed weight layout for (a hint; any size works)
 
 
 def linear_parameter(data: torch.Tensor, output_dim: int | None = None) -> nn.Parameter:
@@ -44,7 +45,12 @@ class QuantizationMethod(ABC):
 
 
 class UnquantizedLinearMethod(QuantizationMethod):
-    """A dense ``weight`` [out, in] in the model dtype, multiplied with ``F.linear``."""
+    """A dense ``weight`` [out, in] in the model dtype, multiplied with ``F.linear``.
+
+    On a CPU with native bfloat16, a few rows go through heron's matrix-vector kernel (it reads the weight at
+    memory speed), and more rows through oneDNN with the weight packed once at load into oneDNN's blocked
+    layout (``F.linear`` would reorder it on every call): the plain weight stays for the former.
+    """
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -52,13 +58,22 @@ class UnquantizedLinearMethod(QuantizationMethod):
         weight = torch.empty(sum(output_sizes), input_size, dtype=params_dtype)
         layer.register_parameter("weight", linear_parameter(weight, output_dim=0))
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Pack a bfloat16 CPU weight for oneDNN (``layer.onednn_weight``), where oneDNN is built in."""
+        weight = layer.weight
+        if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and has_native_bf16()
+                and torch.backends.mkldnn.is_available()):
+            layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_PACK_ROWS)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``; up to ``GEMV_MAX_ROWS`` bfloat16 rows on a CPU with native bfloat16 go
-        through heron's one-row kernel instead."""
+        """``x W^T + bias``: by heron's kernel for a few bfloat16 rows, oneDNN's packed weight for more."""
         if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
             kernels = kernels_for(x)
             if kernels is not None and has_native_bf16():
                 # torch's one-row bf16 kernels read the weight at about half the memory speed here
                 # (docs/performance.md): a small batch's decode step is mostly these products
                 return kernels.gemv_bf16(x, layer.weight, bias)
+        packed = getattr(layer, "onednn_weight", None)
+        if packed is not None and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
         return F.linear(x, layer.weight, bias)

@@ -177,3 +177,24 @@ def test_few_bfloat16_rows_take_the_matrix_vector_kernel_with_the_same_result(ro
     expected = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float() if bias else None)
     assert calls == ([1] if rows <= GEMV_MAX_ROWS else [])
     torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_weight_packed_for_onednn_gives_the_same_products(bias):
+    from heron.cpu import has_native_bf16
+    from heron.layers.linear import Linear
+
+    if not (has_native_bf16() and torch.backends.mkldnn.is_available()):
+        pytest.skip("needs oneDNN and native bfloat16")
+    layer = Linear(100, 77, bias=bias)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    layer = layer.to(torch.bfloat16)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.onednn_weight.is_mkldnn
+    for rows in (5, 32, 130):
+        x = torch.randn(rows, 100, dtype=torch.bfloat16)
+        expected = torch.nn.functional.linear(x.float(), layer.weight.float(),
+                                              layer.bias.float() if bias else None)
+        torch.testing.assert_close(layer(x).float(), expected, atol=0.1, rtol=0.02)

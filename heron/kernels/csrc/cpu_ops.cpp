@@ -4,8 +4,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -13,52 +15,112 @@
 
 namespace {
 
-template <typename T>
-inline float to_f32(const T* p) { return static_cast<float>(*p); }
-inline float to_f32(const at::BFloat16* p) {
-  uint32_t u = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16;
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+inline float float_of(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+// float32 -> bfloat16 bits, round to nearest even (as c10::BFloat16), NaN kept NaN; written to vectorize
+inline uint16_t bf16_bits(float f) {
+  const uint32_t u = bits_of(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7fc0) : static_cast<uint16_t>(rounded);
+}
+
 template <typename T>
-inline void from_f32(T* p, float v) { *p = static_cast<T>(v); }  // bfloat16, float16: round to nearest even
+inline float to_f32(const T* p) { return static_cast<float>(*p); }
+inline float to_f32(const at::BFloat16* p) {
+  return float_of(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
+}
+template <typename T>
+inline void from_f32(T* p, float v) { *p = static_cast<T>(v); }
+inline void from_f32(at::BFloat16* p, float v) { *reinterpret_cast<uint16_t*>(p) = bf16_bits(v); }
 template <typename T>
 inline float round_to(T, float v) { return static_cast<float>(static_cast<T>(v)); }
+inline float round_to(float, float v) { return v; }
+inline float round_to(at::BFloat16, float v) { return float_of(static_cast<uint32_t>(bf16_bits(v)) << 16); }
+
+// Rows in and out of float32 working buffers (vectorized loops).
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f32(src + i);
+}
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) from_f32(dst + i, src[i]);
+}
+
+// e^x to float32 precision (relative error < 4e-7) in plain arithmetic, so a loop of it vectorizes:
+// 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r, |r| <= ln(2) / 2.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * float_of(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
 
 template <typename T>
 void rms_norm_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t H, float eps) {
+  std::vector<float> w(H);
+  load_row(weight, w.data(), H);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(H);
+    std::vector<float> row(H), other(H);
     for (int64_t t = begin; t < end; ++t) {
-      float sum_sq = 0.0f;
-      for (int64_t i = 0; i < H; ++i) {
-        float v = to_f32(x + t * H + i);
-        if (residual != nullptr) {
-          v = round_to(T(), v + to_f32(residual + t * H + i));  // the sum is kept in T, as the unfused add does
-          from_f32(residual + t * H + i, v);
-        }
-        row[i] = v;
-        sum_sq += v * v;
+      load_row(x + t * H, row.data(), H);
+      if (residual != nullptr) {
+        load_row(residual + t * H, other.data(), H);
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) row[i] = round_to(T(), row[i] + other[i]);  // kept in T, as x + r is
+        store_row(row.data(), residual + t * H, H);
       }
+      float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+      for (int64_t i = 0; i < H; ++i) sum_sq += row[i] * row[i];
       const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + eps);
-      for (int64_t i = 0; i < H; ++i)
-        from_f32(out + t * H + i, to_f32(weight + i) * round_to(T(), row[i] * inv));
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) row[i] = w[i] * round_to(T(), row[i] * inv);
+      store_row(row.data(), out + t * H, H);
     }
   });
 }
 
 template <typename T>
-void rotate(T* x, int64_t token_stride, int64_t heads, int64_t D, const float* cos, const float* sin) {
+void rotate(T* x, int64_t heads, int64_t D, const float* cos, const float* sin, float* buf) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
     T* r = x + h * D;
+    load_row(r, buf, D);
+#pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      const float x1 = to_f32(r + i), x2 = to_f32(r + half + i);
-      from_f32(r + i, x1 * cos[i] - x2 * sin[i]);
-      from_f32(r + half + i, x2 * cos[i] + x1 * sin[i]);
+      const float x1 = buf[i], x2 = buf[half + i];
+      buf[i] = x1 * cos[i] - x2 * sin[i];
+      buf[half + i] = x2 * cos[i] + x1 * sin[i];
     }
+    store_row(buf, r, D);
   }
+}
+
+template <typename T>
+void silu_and_mul_row(const T* x, T* out, int64_t I, float* gate, float* up) {
+  load_row(x, gate, I);
+  load_row(x + I, up, I);
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+  store_row(gate, out, I);
 }
 
 #if defined(__AVX512BF16__)
@@ -154,11 +216,12 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(D);
       for (int64_t t = begin; t < end; ++t) {
         const float* c = cos.data_ptr<float>() + pos[t] * cos.size(1);
         const float* s = sin.data_ptr<float>() + pos[t] * sin.size(1);
-        rotate(qp + t * q.stride(0), q.stride(0), q.size(1), D, c, s);
-        rotate(kp + t * k.stride(0), k.stride(0), k.size(1), D, c, s);
+        rotate(qp + t * q.stride(0), q.size(1), D, c, s, buf.data());
+        rotate(kp + t * k.stride(0), k.size(1), D, c, s, buf.data());
       }
     });
   });
@@ -176,11 +239,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t i = 0; i < I; ++i) {
-          const float g = to_f32(xp + t * 2 * I + i), u = to_f32(xp + t * 2 * I + I + i);
-          from_f32(op + t * I + i, g / (1.0f + std::exp(-g)) * u);
-        }
+      std::vector<float> gate(I), up(I);
+      for (int64_t t = begin; t < end; ++t) silu_and_mul_row(xp + t * 2 * I, op + t * I, I, gate.data(), up.data());
     });
   });
   return out;
