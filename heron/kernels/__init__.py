@@ -22,7 +22,8 @@ from heron.cpu import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,13 +35,14 @@ def load_cpu_kernels() -> ModuleType:
     from heron.model.default_model import heron_cache_dir
 
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
-    for source in _SOURCES:
+    for source in sorted(_CSRC.glob("*.[ch]*")):  # the headers too
         digest.update(source.read_bytes())
     build_dir = heron_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading heron's CPU kernels (compiled into %s on first use)", build_dir)
     return load(name="heron_cpu_kernels", sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_rows.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,24 +16,7 @@
 
 namespace {
 
-// Row conversion to float32, written so the compiler vectorizes it (bfloat16 is the top half of a float).
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    dst[i] = f;
-  }
-}
-
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {  // float16, float64
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+using namespace heron;
 
 template <typename T>
 void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_table, const int32_t* seq_lens,
@@ -43,10 +28,11 @@ void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_t
   const int64_t slot_stride = num_kv_heads * head_dim;  // cache: [2, NB, BS, KVH, D]
   const int64_t block_stride = block_size * slot_stride;
   const int64_t value_offset = num_blocks * block_stride;
-  const int64_t D = head_dim;
+  const int64_t D = head_dim, BS = block_size;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), keys(block_size * D), values(block_size * D);
-    std::vector<float> scores(block_size), running_max(group), denom(group);
+    std::vector<float> qf(group * D), acc(group * D), keys(BS * D), values(BS * D);
+    std::vector<float> scores(BS), running_max(group), denom(group);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
       const int64_t q_begin = query_begin[b], q_end = query_end[b];
@@ -55,40 +41,44 @@ void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_t
       for (int64_t t = q_begin; t < q_end; ++t) {
         const int64_t pos = seq_len - num_q + (t - q_begin);
         const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        to_float(q + t * q_stride + kvh * group * D, qf.data(), group * D);
+        load_row(q + t * q_stride + kvh * group * D, qf.data(), group * D);
         for (auto& x : qf) x *= scale;
         std::fill(acc.begin(), acc.end(), 0.0f);
-        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(running_max.begin(), running_max.end(), neg_inf);
         std::fill(denom.begin(), denom.end(), 0.0f);
         for (int64_t j0 = first; j0 <= pos;) {
-          const int64_t offset = j0 % block_size;
-          const int64_t n = std::min(block_size - offset, pos - j0 + 1);  // positions of this block to read
-          const int64_t row0 = static_cast<int64_t>(table[j0 / block_size]) * block_stride + offset * slot_stride +
-                               kvh * D;
+          const int64_t offset = j0 % BS;
+          const int64_t n = std::min(BS - offset, pos - j0 + 1);  // positions of this block to read
+          const int64_t row0 = static_cast<int64_t>(table[j0 / BS]) * block_stride + offset * slot_stride + kvh * D;
           for (int64_t r = 0; r < n; ++r) {
-            to_float(cache + row0 + r * slot_stride, keys.data() + r * D, D);
-            to_float(cache + value_offset + row0 + r * slot_stride, values.data() + r * D, D);
+            load_row(cache + row0 + r * slot_stride, keys.data() + r * D, D);
+            load_row(cache + value_offset + row0 + r * slot_stride, values.data() + r * D, D);
           }
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * D;
-            float block_max = -std::numeric_limits<float>::infinity();
             for (int64_t r = 0; r < n; ++r) {
               const float* k = keys.data() + r * D;
               float s = 0.0f;
 #pragma omp simd reduction(+ : s)
               for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
               scores[r] = s;
-              block_max = std::max(block_max, s);
             }
+            float block_max = neg_inf;
+#pragma omp simd reduction(max : block_max)
+            for (int64_t r = 0; r < n; ++r) block_max = std::max(block_max, scores[r]);
             const float new_max = std::max(running_max[g], block_max);
             const float correction = std::exp(running_max[g] - new_max);  // 0 on the first block
-            float* a = acc.data() + g * D;
             float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t r = 0; r < n; ++r) {
+              scores[r] = exp_approx(scores[r] - new_max);
+              sum += scores[r];
+            }
+            float* a = acc.data() + g * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) a[d] *= correction;
             for (int64_t r = 0; r < n; ++r) {
-              const float p = std::exp(scores[r] - new_max);
-              sum += p;
+              const float p = scores[r];
               const float* v = values.data() + r * D;
 #pragma omp simd
               for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
@@ -99,8 +89,12 @@ void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_t
           j0 += n;
         }
         T* o = out + t * token_stride + kvh * group * D;
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(acc[g * D + d] / denom[g]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float inv = 1.0f / denom[g];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv;
+          store_row(acc.data() + g * D, o + g * D, D);
+        }
       }
     }
   });
