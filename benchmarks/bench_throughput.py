@@ -1,7 +1,11 @@
 """Offline throughput: heron's continuous batching vs transformers ``generate`` one request at a time and
 with a padded static batch, on the same weights, in one run.
 
-    python benchmarks/bench_throughput.py [--num-prompts 64 --input-len 128 --output-len 128 --static-batch 16]
+    python -m benchmarks.bench_throughput [--num-prompts 256 --input-len 128 --output-len 128 --static-batch 32
+                                           --dtype bfloat16]
+
+Both engines run in ``--dtype`` (bfloat16 by default: the speed issue's comparison; heron's own CPU default is
+bfloat16 where the CPU computes it natively).
 
 The one-at-a-time baseline runs a subset (``--sequential-prompts``) of the requests: it processes them one
 after another, so its tokens/s does not depend on how many it runs.
@@ -28,16 +32,17 @@ def hf_generate(hf, batch: list[list[int]], output_len: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--static-batch", type=int, default=16)
+    ap.add_argument("--static-batch", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--sequential-prompts", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(args.seed)
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype)
     vocab = len(llm.get_tokenizer())
     prompts = torch.randint(100, vocab, (args.num_prompts, args.input_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -47,7 +52,7 @@ def main() -> None:
     heron_s = time.perf_counter() - t0
     heron_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
 
-    hf = load_hf_model(args.model)
+    hf = load_hf_model(args.model, getattr(torch, args.dtype))
     hf_generate(hf, prompts[:1], 4)
     t0 = time.perf_counter()
     seq_tokens = sum(hf_generate(hf, [p], args.output_len) for p in prompts[:args.sequential_prompts])

@@ -36,12 +36,12 @@ def save(name: str, result: dict) -> Path:
     return path
 
 
-def load_hf_model(model: str):
-    """The transformers float32 model on the same files heron loads (a GGUF through ``gguf_file=``)."""
+def load_hf_model(model: str, dtype: torch.dtype = torch.float32):
+    """The transformers model, in ``dtype``, on the same files heron loads (a GGUF through ``gguf_file=``)."""
     from transformers import AutoModelForCausalLM
 
     from heron.bench.resolve import resolve_model_files
 
     files = resolve_model_files(model)
-    return AutoModelForCausalLM.from_pretrained(str(files.directory), dtype=torch.float32,
+    return AutoModelForCausalLM.from_pretrained(str(files.directory), dtype=dtype,
                                                 **files.hf_kwargs()).eval()

@@ -57,6 +57,10 @@ class AttentionBackend(ABC):
         """Build per-step derived data into ``meta.backend_data`` (called once per step, before the forward)."""
 
     @abstractmethod
+    def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write keys and values [T, kv_heads, dim] into pool slots ``slots`` [T] (in this backend's layout)."""
+
+    @abstractmethod
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy pool blocks ``src`` to ``dst`` in one layer's KV tensor (copy-on-write)."""
 

@@ -38,7 +38,7 @@ class CpuPagedBackend(ReferenceBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
-        self.kernel.store_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, meta.slot_mapping)
+        self.store_kv(kv_cache, k, v, meta.slot_mapping)
         begin, end, _ = meta.backend_data["kernel"]
         out = self.kernel.paged_attention(q.to(kv_cache.dtype), kv_cache, meta.block_table,
                                           meta.seq_lens, begin, end, q.shape[-1] ** -0.5,
@@ -46,3 +46,6 @@ class CpuPagedBackend(ReferenceBackend):
         for group in meta.backend_data["groups"]:
             out[group.out_index] = self._attend(q, kv_cache, group, meta.block_size, sliding_window)
         return out
+
+    def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.kernel.store_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, slots)

@@ -79,7 +79,7 @@ class ReferenceBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
-        self._store(kv_cache, k, v, meta.slot_mapping)
+        self.store_kv(kv_cache, k, v, meta.slot_mapping)
         groups = meta.backend_data["groups"]
         if len(groups) == 1 and (groups[0].in_order or groups[0].out_index.shape[0] == q.shape[0]):
             return self._attend(q, kv_cache, groups[0], meta.block_size, sliding_window)
@@ -88,8 +88,7 @@ class ReferenceBackend(AttentionBackend):
             out[group.out_index] = self._attend(q, kv_cache, group, meta.block_size, sliding_window)
         return out
 
-    @staticmethod
-    def _store(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         flat = kv_cache.flatten(1, 2)  # [2, slots, kv_heads, dim]
         flat[0].index_copy_(0, slots, k.to(flat.dtype))
         flat[1].index_copy_(0, slots, v.to(flat.dtype))

@@ -52,9 +52,8 @@ def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window, dt
         v = torch.randn(total, KV_HEADS, DIM, generator=g).to(dtype)
         full_k.append(k)
         full_v.append(v)
-        for pos in range(cached):  # what earlier steps stored
-            slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
-            cache.flatten(1, 2)[0, slot], cache.flatten(1, 2)[1, slot] = k[pos], v[pos]
+        earlier = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached)], dtype=torch.long)
+        backend.store_kv(cache, k[:cached], v[:cached], earlier)  # what earlier steps stored
         q_parts.append(torch.randn(new, HEADS, DIM, generator=g).to(dtype))
         k_parts.append(k[cached:])
         v_parts.append(v[cached:])
