@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from heron.errors import ConfigError
+from heron.pooling_params import PoolerConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -57,15 +58,39 @@ class EngineConfig:
     attention_backend: str = _flag("attention backend: auto (the CPU paged kernel on the CPU, else reference), "
                                    "reference (gather + SDPA, exact), cpu_paged", default="auto",
                                    meta={"choices": ["auto", "reference", "cpu_paged"]})
+    cpu_threads: int | None = _flag("intra-op threads of the engine core on the CPU (llama.cpp's -t); default: "
+                                    "the cores this process may use, one fewer when serving on 4 or more "
+                                    "(the API process needs one); env HERON_CPU_THREADS", default=None)
     enforce_eager: bool = _flag("accepted for vLLM compatibility (heron always runs eagerly)", default=False)
     speculative_model: str | None = _flag("draft model for speculative decoding", default=None)
     num_speculative_tokens: int | None = _flag("tokens proposed per speculative step", default=None)
     speculative_config: str | None = _flag("speculative decoding config as JSON", default=None)
     chat_template: str | None = _flag("Jinja chat template, or a file holding one", default=None)
+    generation_config: str = _flag("sampling defaults for fields a request leaves out: auto (the model's "
+                                   "generation_config.json, if any), vllm (ignore it), or a folder holding a "
+                                   "generation_config.json", default="auto")
     max_waiting_requests: int = _flag("bound on queued requests; beyond it new ones are refused (503)", default=1024)
+    runner: str = _flag("what the engine does with a prompt: generate text, or pool it into one vector (pooling: "
+                        "serves /v1/embeddings and /pooling); auto is pooling with --task embed, else generate",
+                        default="auto", meta={"choices": ["auto", "generate", "pooling"]})
+    task: str | None = _flag("vLLM's older name for the runner: embed (= --runner pooling) or generate",
+                             default=None, meta={"choices": ["auto", "generate", "embed", "embedding"]})
+    pooler_config: str | dict | None = _flag(
+        'pooling as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'; pooling_type LAST (the default), '
+        "MEAN or CLS; --runner pooling only", default=None)
 
     def __post_init__(self) -> None:
+        self.runner = self._resolve_runner()
         self.validate()
+
+    def _resolve_runner(self) -> str:
+        """``--runner`` with ``auto`` and vLLM's older ``--task`` resolved to generate or pooling."""
+        implied = {"embed": "pooling", "embedding": "pooling", "generate": "generate"}.get(self.task or "auto")
+        if self.runner == "auto":
+            return implied or "generate"
+        if implied not in (None, self.runner):
+            raise ConfigError(f"--task {self.task} contradicts --runner {self.runner}; give one of them")
+        return self.runner
 
     def validate(self) -> None:
         """Reject values heron cannot honour, with a message saying what to do."""
@@ -75,8 +100,13 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
+        if self.pooler_config is not None and self.runner != "pooling":
+            raise ConfigError("--pooler-config applies to --runner pooling only")
+        PoolerConfig.parse(self.pooler_config)  # raises ConfigError on a bad value
         unbuilt = {
             "--tensor-parallel-size > 1": self.tensor_parallel_size != 1,
             "--quantization": self.quantization not in (None, "", "none"),
@@ -87,6 +117,11 @@ class EngineConfig:
         for name, used in unbuilt.items():
             if used:
                 raise ConfigError(f"{name} is not supported by this version of heron yet")
+
+    @property
+    def pooler(self) -> PoolerConfig:
+        """The parsed ``--pooler-config`` (the defaults when not given)."""
+        return PoolerConfig.parse(self.pooler_config)
 
     @property
     def kv_cache_bytes(self) -> int | None:

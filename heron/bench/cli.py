@@ -82,7 +82,9 @@ def _add_serve(sub) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask the server to always generate the full --output-len")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds before a request counts as timed out")
-    g.add_argument("--save-result", default=None, help="write the JSON result (config + every request) here")
+    g.add_argument("--save-result", default=None,
+                   help="write the JSON result (config + every request) here; it also holds the top-level keys of "
+                   "`vllm bench serve`'s results (of the last run, after a sweep)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_serve)
 
@@ -94,6 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from heron.bench.resolve import load_tokenizer
     from heron.bench.result import machine_info, make_result, now_iso, save_result
     from heron.bench.serve import LoadShape, probe_server, run_sweep
+    from heron.bench.vllm_format import vllm_fields
 
     slos = parse_goodput(args.goodput)
     cfg = RequestConfig(args.base_url, args.model or "", args.endpoint, args.api_key, args.temperature,
@@ -119,6 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
               "flags": flags}
     machine["load_average_end"] = machine_info()["load_average"]
     result = make_result("serve", config, stored, machine, date)
+    result.update(vllm_fields(result))
     for run in stored:
         print(format_run(run, f"{label}: serving benchmark"))
     if len(stored) > 1:
@@ -191,16 +195,18 @@ def run_latency(args: argparse.Namespace) -> int:
 
 def _add_reports(sub) -> None:
     p = sub.add_parser("compare", formatter_class=_Formatter, help="markdown table + plots of several results",
-                       description="Compare `heron bench serve --save-result` files side by side: a markdown "
-                       "table and PNG plots (throughput vs concurrency, TTFT and TPOT percentiles).")
-    p.add_argument("results", nargs="+", metavar="RESULT.json", help="result files, one or more per engine")
+                       description="Compare `heron bench serve --save-result` and `vllm bench serve "
+                       "--save-result` files side by side: a markdown table and PNG plots (throughput vs "
+                       "concurrency, TTFT and TPOT percentiles).")
+    p.add_argument("results", nargs="+", metavar="RESULT.json",
+                   help="result files (heron's or vLLM's), one or more per engine")
     p.add_argument("--out-dir", default=None, help="write comparison.md and the PNG plots here")
     p.set_defaults(func=run_compare)
     p = sub.add_parser("cost", formatter_class=_Formatter, help="$ per million tokens from a measured result",
                        description="Tokens per day and $ per million tokens at a machine's hourly price, and "
                        "the saving against an API's per-token prices.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--result", help="a `heron bench serve` result file")
+    src.add_argument("--result", help="a `heron bench serve` (or `vllm bench serve`) result file")
     src.add_argument("--tokens-per-second", type=float, help="price a throughput given by hand instead")
     p.add_argument("--price-per-hour", type=float, required=True, help="machine price in $ per hour, e.g. 6.76")
     p.add_argument("--api-price-in", type=float, default=None, help="API $ per million input tokens, e.g. 5")

@@ -16,16 +16,17 @@ from heron.bench.client import RequestRecord
 from heron.errors import ConfigError
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
-STATS = ("mean", "median", "p90", "p99")
+STATS = ("mean", "median", "p90", "p99")  # the statistics reports show; summaries also keep "std" (vLLM's)
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
 def describe(values_s: Sequence[float]) -> dict[str, float]:
-    """Mean, median, p90, p99 (in milliseconds) of values given in seconds; zeros when empty."""
+    """Mean, median, standard deviation, p90, p99 (in milliseconds) of values given in seconds; zeros when
+    empty."""
     if len(values_s) == 0:
-        return dict.fromkeys(STATS, 0.0)
+        return dict.fromkeys((*STATS, "std"), 0.0)
     ms = np.asarray(values_s, dtype=float) * 1000.0
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)),
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std()),
             "p90": float(np.percentile(ms, 90)), "p99": float(np.percentile(ms, 99))}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from heron.bench.metrics import LATENCIES, STATS
@@ -51,9 +52,9 @@ def markdown_table(results: list[dict]) -> str:
         s = run["summary"]
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "0"
         cells = [label, _concurrency(run), f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
-                 f"{s['total_token_throughput']:.1f}", f"{s['ttft_ms']['median']:.0f}", f"{s['ttft_ms']['p99']:.0f}",
-                 f"{s['tpot_ms']['median']:.1f}", f"{s['tpot_ms']['p99']:.1f}", f"{s['itl_ms']['p99']:.1f}",
-                 f"{s['e2el_ms']['median']:.0f}", f"{s['e2el_ms']['p99']:.0f}", str(s["completed"]), errors,
+                 f"{s['total_token_throughput']:.1f}", _ms(s["ttft_ms"]["median"], 0), _ms(s["ttft_ms"]["p99"], 0),
+                 _ms(s["tpot_ms"]["median"], 1), _ms(s["tpot_ms"]["p99"], 1), _ms(s["itl_ms"]["p99"], 1),
+                 _ms(s["e2el_ms"]["median"], 0), _ms(s["e2el_ms"]["p99"], 0), str(s["completed"]), errors,
                  _goodput(s)]
         lines.append("| " + " | ".join(cells) + " |")
     slos = sorted({" ".join(f"{k}:{v:g}" for k, v in run["summary"]["goodput_slos_ms"].items())
@@ -62,6 +63,11 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines) + ("\n\nLatencies in milliseconds; TTFT = time to first token, TPOT = time per output "
                                "token after the first, ITL = inter-token latency, E2E = end-to-end latency"
                                f"{note}.\n")
+
+
+def _ms(value: float, digits: int) -> str:
+    """A latency cell; "-" for one the result did not record (NaN: e.g. a vLLM result without e2el)."""
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 def _goodput(s: dict) -> str:

@@ -1,4 +1,8 @@
-"""Result files: a run's configuration (engine, model, flags, machine, date) plus its runs, as JSON."""
+"""Result files: a run's configuration (engine, model, flags, machine, date) plus its runs, as JSON.
+
+Serve results also carry ``vllm bench serve``'s top-level keys (``vllm_format.py``), and ``load_result`` reads
+vLLM's result files too.
+"""
 
 from __future__ import annotations
 
@@ -74,14 +78,34 @@ def save_result(result: dict, path: str | Path) -> Path:
 
 
 def load_result(path: str | Path) -> dict:
-    """Read a result file written by ``heron bench serve --save-result``; ConfigError if it is not one."""
+    """Read a result file written by ``heron bench serve --save-result``, or by ``vllm bench serve
+    --save-result`` (as a heron serve result, one run per vLLM result); ConfigError if it is neither."""
+    from heron.bench.vllm_format import from_vllm, is_vllm_result  # it builds on this module
+
+    docs = _json_objects(path)
+    result = docs[0]
+    if len(docs) == 1 and isinstance(result, dict) and result.get("format") == FORMAT and result.get("runs"):
+        return result
+    if all(is_vllm_result(doc) for doc in docs):
+        config, runs, date = from_vllm(docs)
+        return {"format": FORMAT, "kind": "serve", "date": date, "machine": {}, "config": config, "runs": runs}
+    raise ConfigError(f"{path} is not a heron bench result (expected format {FORMAT!r} with runs) nor a "
+                      "`vllm bench serve` result")
+
+
+def _json_objects(path: str | Path) -> list:
+    """The JSON document in ``path``, or its lines' documents (vLLM's ``--append-result`` writes one a line)."""
     try:
-        result = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
+        try:
+            return [json.loads(text)]
+        except json.JSONDecodeError as whole:
+            lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+            if not lines:
+                raise whole from None
+            return lines
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read result file {path}: {e}") from e
-    if not isinstance(result, dict) or result.get("format") != FORMAT or not result.get("runs"):
-        raise ConfigError(f"{path} is not a heron bench result (expected format {FORMAT!r} with runs)")
-    return result
 
 
 def engine_label(result: dict) -> str:

@@ -26,6 +26,7 @@ from heron.engine.output_processor import OutputProcessor
 from heron.engine.outputs import EngineStats, RequestOutput
 from heron.engine.processor import InputProcessor
 from heron.errors import EngineDeadError, EngineOverloadedError, HeronError
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -147,10 +148,11 @@ class AsyncEngine:
 
     # ---- requests (event-loop side) ----
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams, request_id: str,
                           priority: int = 0, add_special_tokens: bool = True) -> RequestStream:
-        """Queue a request; raises the engine's validation errors (InvalidRequestError, PromptTooLongError,
-        EngineOverloadedError) before returning the stream of its outputs.
+        """Queue a request (to generate from, or to pool with ``PoolingParams``); raises the engine's validation
+        errors (InvalidRequestError, PromptTooLongError, EngineOverloadedError) before returning the stream of
+        its outputs (a pooling request's is one output, carrying its vector).
 
         A text prompt is tokenized on the front-end thread (``add_special_tokens=False`` for rendered chats,
         whose template already holds them); outputs then carry ``prompt=None``.
@@ -160,7 +162,8 @@ class AsyncEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream.queue
         admitted = self._admissions[request_id] = self._loop.create_future()
-        params = params.clone(output_kind=RequestOutputKind.DELTA)
+        if isinstance(params, SamplingParams):
+            params = params.clone(output_kind=RequestOutputKind.DELTA)
         try:
             await self._in_frontend(self._add, request_id, prompt, params, priority, add_special_tokens)
             await admitted
@@ -186,9 +189,9 @@ class AsyncEngine:
         self._check_serving()
         return await self._in_frontend(lambda: fn(self._processor))
 
-    async def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render chat messages to a prompt (on the front-end thread)."""
-        return await self.call(lambda p: p.apply_chat_template(messages))
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Render chat messages (and tool definitions) to a prompt (on the front-end thread)."""
+        return await self.call(lambda p: p.apply_chat_template(messages, tools=tools))
 
     def abort(self, request_id: str) -> None:
         """Abort a request in the front end and in the core (which frees its blocks at its next turn)."""
@@ -278,7 +281,7 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - reported by the server, which then exits
             self._loop.call_soon_threadsafe(self._load_failed, e)
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int,
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, priority: int,
              add_special_tokens: bool) -> None:
         """Tokenize and validate (as vLLM's server does, refusing a max_tokens the context cannot hold), then
         send to the core."""

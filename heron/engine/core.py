@@ -8,6 +8,10 @@ and the KV slots of rejected drafts are rolled back.
 
 A failure that belongs to one request (its sampling row, grammar or stop checks) ends that request with
 ``finish_reason="error"``; only a failure of the forward pass itself takes the core down.
+
+A pooling engine (``runner="pooling"``) schedules its requests the same way but never samples them: each prompt
+chunk's final hidden states are folded into the request's vector (``engine/pooling.py``), and the request ends,
+freeing its blocks, when its prompt is computed.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from heron.engine.memory import (
 )
 from heron.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, RequestRejection
 from heron.engine.outputs import EngineStats
+from heron.engine.pooling import PoolingState
 from heron.engine.request import Request, SeqStatus, Sequence
 from heron.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from heron.errors import ConfigError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from heron.model.loader import load_model
 from heron.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
+from heron.sampling_params import SamplingParams
 from heron.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -87,6 +93,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.proposer: Proposer | None = None
+        self.pooler_config = config.pooler
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarQueue(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.counters = EngineStats()
@@ -132,15 +139,18 @@ class EngineCore:
         """Queue a tokenized request; raises InvalidRequestError (nothing queued) if it cannot run. One whose
         grammar is not compiled yet waits for it off the step loop and False is returned: ``admit_compiled``
         admits or rejects it later (unless ``wait_for_grammar``: then the compile is awaited here)."""
-        params, token_ids = request.sampling_params, request.prompt_token_ids
+        token_ids = request.prompt_token_ids
         if request.request_id in self.requests or request.request_id in self.grammars:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         num_waiting = len(self.scheduler.waiting) + len(self.grammars)
         if num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{num_waiting} requests are waiting; retry later")
-        self._validate(token_ids, params)
+        params = self._sampling_params(request)
+        self._validate(token_ids, params, pooling=request.pooling_params is not None)
         req = Request(request.request_id, list(token_ids), params, request.priority,
                       request.arrival_time or time.time())
+        if request.pooling_params is not None:
+            req.pooling = PoolingState.of(request.pooling_params, self.pooler_config, len(token_ids))
         if params.guided_decoding is None:
             self._queue(req, None)
             return True
@@ -179,15 +189,31 @@ class EngineCore:
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
 
-    def _validate(self, token_ids: list[int], params) -> None:
+    def _sampling_params(self, request: EngineCoreRequest) -> SamplingParams:
+        """The request's sampling parameters (a pooling request's are the neutral defaults); refuses a request
+        of the kind this engine does not run."""
+        pooling = request.pooling_params is not None
+        if pooling and self.config.runner != "pooling":
+            raise InvalidRequestError("this engine generates text; pooling (embeddings) needs an engine started "
+                                      "with runner='pooling' (heron serve --runner pooling)")
+        if not pooling and self.config.runner == "pooling":
+            raise InvalidRequestError("this engine was started with runner='pooling' (--runner pooling): it "
+                                      "pools prompts into vectors and cannot generate text")
+        if not pooling and request.sampling_params is None:
+            raise InvalidRequestError("a request needs sampling_params or pooling_params")
+        return SamplingParams() if pooling else request.sampling_params
+
+    def _validate(self, token_ids: list[int], params, pooling: bool = False) -> None:
+        param = "input" if pooling else "prompt"  # the name the pooling endpoints give it
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+            raise InvalidRequestError(f"the {param} is empty", param=param)
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"{param} token ids must be in [0, {self.vocab_size})", param=param)
+        output_room = 0 if pooling else 1  # a generated sequence needs a position for its first output token
+        if len(token_ids) + output_room > self.max_model_len:
+            why = " (at least one must be left for the output)" if output_room else ""
             raise PromptTooLongError(f"This model's maximum context length is {self.max_model_len} tokens, but "
-                                     f"the prompt has {len(token_ids)} tokens (at least one must be left for the "
-                                     "output)", param="prompt")
+                                     f"the {param} has {len(token_ids)} tokens{why}", param=param)
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n must be at most --max-num-seqs ({self.config.max_num_seqs}), "
                                       f"got {params.n}", param="n")
@@ -266,7 +292,9 @@ class EngineCore:
                 offset += s.num_logits
                 continue
             seq.num_computed_tokens += len(s.token_ids)  # drafts included until verified (see _accept)
-            if s.start_pos + len(s.token_ids) == len(seq) + len(seq.spec_token_ids):
+            if seq.request.pooling is not None:
+                self._guard(seq.request, self._pool, seq, s, hidden[offset:offset + s.num_logits])
+            elif s.start_pos + len(s.token_ids) == len(seq) + len(seq.spec_token_ids):
                 rows_here = 1 + len(seq.spec_token_ids)
                 first = offset + s.num_logits - rows_here
                 for seq_ in [seq, *self._fork_children(seq)]:
@@ -296,6 +324,16 @@ class EngineCore:
             targets = torch.tensor(req.prompt_token_ids[lo + 1:hi + 1], device=logits.device)
             req.new_prompt_logprobs.extend(gather_logprobs(logits, targets, req.params.prompt_logprobs))
             req.num_prompt_logprobs = hi
+
+    def _pool(self, seq: Sequence, s: ScheduledSeq, rows: torch.Tensor) -> None:
+        """Fold a prompt chunk's hidden states into the request's vector; once the whole prompt is computed the
+        request ends (nothing is sampled) and its blocks are freed."""
+        seq.request.pooling.add(rows, s.start_pos + len(s.token_ids))
+        self.block_manager.cache_full_blocks(seq)
+        if seq.is_prefill_done:
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+            self._count_finished(seq.request)
 
     def _fork_children(self, seq: Sequence) -> list[Sequence]:
         """At the end of the prompt, a request with n > 1 forks its other samples, sharing the prompt blocks."""
@@ -365,15 +403,16 @@ class EngineCore:
         seq.spec_token_ids = []
         self.counters.num_draft_tokens += len(drafts)
         self.counters.num_accepted_tokens += accepted
+        seq.num_computed_tokens = len(seq) - 1  # every token but the newest has its keys and values
+        if accepted < len(drafts):
+            self.block_manager.truncate(seq, len(seq))  # free the slots of the rejected drafts
+        # hashed before a finish frees them too, so a request that ends at its first token (max_tokens=1)
+        # still leaves its prompt's blocks in the prefix cache
+        self.block_manager.cache_full_blocks(seq)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
             if seq.request.finished:
                 self._count_finished(seq.request)
-            return
-        seq.num_computed_tokens = len(seq) - 1  # every token but the newest has its keys and values
-        if accepted < len(drafts):
-            self.block_manager.truncate(seq, len(seq))  # free the slots of the rejected drafts
-        self.block_manager.cache_full_blocks(seq)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
         seq.token_ids.append(token)
@@ -432,7 +471,8 @@ class EngineCore:
             outs.append(EngineCoreOutput(
                 req.request_id, seq.index, new, lps if req.params.logprobs is not None else None,
                 prompt_lps if seq.index == 0 and req.params.prompt_logprobs is not None else None,
-                seq.finish_reason, seq.stop_reason, req.num_cached_tokens or 0, seq.error))
+                seq.finish_reason, seq.stop_reason, req.num_cached_tokens or 0, seq.error,
+                req.pooling.output if req.pooling is not None else None))
         if req.finished:
             self.requests.pop(req.request_id, None)
         return outs

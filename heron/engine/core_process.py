@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from heron.config import EngineConfig
+from heron.cpu import set_engine_threads
 from heron.engine.messages import CoreInfo, EngineCoreOutputs, EngineCoreRequest, RequestRejection
 from heron.errors import HeronError
 
@@ -82,6 +83,7 @@ def run_core_process(config: EngineConfig, core_factory: Callable[[EngineConfig]
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     encoder = msgspec.msgpack.Encoder()
     try:
+        set_engine_threads(config.cpu_threads, serving=True)
         core = core_factory(config)
     except Exception as e:  # noqa: BLE001 - reported to the API process, which exits with the message
         if not isinstance(e, HeronError):

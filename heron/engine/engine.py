@@ -6,11 +6,15 @@
 
 from __future__ import annotations
 
+import os
+
 from heron.config import EngineConfig
+from heron.cpu import set_engine_threads
 from heron.engine.core import EngineCore
 from heron.engine.output_processor import OutputProcessor
 from heron.engine.outputs import EngineStats, RequestOutput
 from heron.engine.processor import InputProcessor
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
 
 
@@ -19,6 +23,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.cpu_threads is not None or os.environ.get("HERON_CPU_THREADS"):
+            set_engine_threads(config.cpu_threads, serving=False)  # else torch's own default: every core
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self.info = self.core.info
@@ -45,10 +51,11 @@ class Engine:
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         return self.processor.encode(prompt, add_special_tokens)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None, add_special_tokens: bool = True,
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                    priority: int = 0, arrival_time: float | None = None, add_special_tokens: bool = True,
                     max_tokens_must_fit: bool = False) -> None:
-        """Validate and queue a request; raises InvalidRequestError/PromptTooLongError before queueing."""
+        """Validate and queue a request (to generate from, or to pool with ``PoolingParams``); raises
+        InvalidRequestError/PromptTooLongError before queueing."""
         request = self.processor.process(request_id, prompt, params, priority, arrival_time, add_special_tokens,
                                          max_tokens_must_fit)
         self.core.add_request(request, wait_for_grammar=True)  # a grammar's errors surface here, not later

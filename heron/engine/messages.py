@@ -1,8 +1,9 @@
 """What the front end and the engine core say to each other: small, serializable, token ids only.
 
 The core receives ``EngineCoreRequest``s and aborts, and answers each step with ``EngineCoreOutput`` deltas
-(new token ids and logprobs of one sample, and how it ended). The same messages serve an in-process core
-(``LLM``) and a core in its own process (the server), where msgspec encodes them.
+(new token ids and logprobs of one sample, and how it ended; a pooling request's one output carries its vector
+instead). The same messages serve an in-process core (``LLM``) and a core in its own process (the server),
+where msgspec encodes them.
 """
 
 from __future__ import annotations
@@ -10,18 +11,20 @@ from __future__ import annotations
 import msgspec
 
 from heron.engine.outputs import EngineStats
+from heron.pooling_params import PoolingParams
 from heron.sampling.sampler import TokenLogprobs
 from heron.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
-    """A tokenized, validated request."""
+    """A tokenized, validated request: to generate from (``sampling_params``) or to pool (``pooling_params``)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     priority: int = 0
     arrival_time: float = 0.0
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
@@ -36,6 +39,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    pooled: bytes | None = None  # a pooling request's vector, little-endian float32, in its final output
 
     @property
     def finished(self) -> bool:

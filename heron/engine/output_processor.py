@@ -4,7 +4,8 @@ Per request it keeps each sample's detokenizer, text and tokens; it finds stop s
 run of several accepted tokens is cut exactly where one-at-a-time decoding would cut it), holds back text
 that may still grow into one, turns logprobs into vLLM's ``dict[int, Logprob]`` form, and emits outputs of
 the kind the request asked for: cumulative, delta, or final only. Work per step is proportional to the new
-tokens, except for ``CUMULATIVE`` outputs, which copy what the caller asked to see.
+tokens, except for ``CUMULATIVE`` outputs, which copy what the caller asked to see. A pooling request has
+nothing to detokenize: its one output carries its vector.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from heron.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from heron.engine.messages import EngineCoreOutput
 from heron.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from heron.pooling_params import PoolingParams
 from heron.sampling.sampler import TokenLogprobs
 from heron.sampling_params import RequestOutputKind, SamplingParams
 
@@ -75,6 +79,25 @@ class RequestState:
         return len(done) == self.params.n or any(s.finish_reason in ("abort", "error") for s in done)
 
 
+@dataclass
+class PoolingRequestState:
+    """A pooling request in the front end: the core sends it one output, when it ends."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+
+    def output(self, out: EngineCoreOutput, now: float) -> RequestOutput:
+        """The request's final output: its vector, or how it failed."""
+        self.metrics.first_scheduled_time = self.metrics.first_scheduled_time or now
+        self.metrics.finished_time = now
+        pooled = None if out.pooled is None else np.frombuffer(out.pooled, dtype="<f4").tolist()
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [CompletionOutput(0, "", [], finish_reason=out.finish_reason)], True, self.metrics,
+                             num_cached_tokens=out.num_cached_tokens, error=out.error, pooled=pooled)
+
+
 class OutputProcessor:
     """Turns ``EngineCoreOutput`` deltas into ``RequestOutput``s; owns the front end's per-request state."""
 
@@ -82,14 +105,22 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
+        self.pooling: dict[str, PoolingRequestState] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> None:
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams | PoolingParams, arrival_time: float) -> None:
+        if isinstance(params, PoolingParams):
+            self.pooling[request_id] = PoolingRequestState(request_id, prompt, prompt_token_ids,
+                                                    RequestMetrics(arrival_time))
+            return
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                  RequestMetrics(arrival_time))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget a request; returns its final output (finish_reason "abort") if it was still running."""
+        pooling = self.pooling.pop(request_id, None)
+        if pooling is not None:
+            return pooling.output(EngineCoreOutput(request_id, finish_reason="abort"), time.time())
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -106,7 +137,12 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, int]] = []
+        results = []
         for out in outputs:
+            pooling = self.pooling.pop(out.request_id, None)
+            if pooling is not None:
+                results.append(pooling.output(out, now))
+                continue
             state = self.requests.get(out.request_id)
             if state is None:
                 continue  # aborted in the front end while the core was still stepping
@@ -119,7 +155,6 @@ class OutputProcessor:
                 state.error = out.error
             if self._apply(state, out, now):
                 stopped.append((out.request_id, out.index))
-        results = []
         for state in touched.values():
             if state.finished:
                 state.metrics.finished_time = now
@@ -154,7 +189,10 @@ class OutputProcessor:
                 lp = out.new_logprobs[j]
                 sample.logprobs.append(self.texts.logprob_dict(lp))
                 sample.cumulative_logprob += lp.logprob
-            stop_token = j == last and isinstance(out.stop_reason, int) and not p.include_stop_str_in_output
+            # a sample the core stopped ended on a stop token (EOS, a stop id, or the one a grammar ends on): its
+            # text is not output, even with skip_special_tokens off (as vLLM)
+            stop_token = (j == last and out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+                          and not p.include_stop_str_in_output)
             new_text = "" if stop_token else sample.detok.append(token)
             sample.text += new_text
             if new_text and p.stop and len(sample.token_ids) >= p.min_tokens:

@@ -1,4 +1,5 @@
-"""What the engine hands back, in vLLM's shapes: RequestOutput, CompletionOutput, Logprob; and engine stats."""
+"""What the engine hands back, in vLLM's shapes: RequestOutput, CompletionOutput, Logprob, EmbeddingRequestOutput;
+and engine stats."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why the request failed (finish_reason "error")
+    pooled: list[float] | None = None  # a pooling request's vector (runner "pooling"), in its final output
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later delta output of the same request into this one (as vLLM's ``RequestOutput.add``)."""
@@ -79,6 +81,34 @@ class RequestOutput:
         self.finished, self.metrics, self.error = later.finished, later.metrics, later.error
         self.prompt_logprobs = later.prompt_logprobs or self.prompt_logprobs
         self.num_cached_tokens = later.num_cached_tokens
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: one prompt's embedding vector."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's ``EmbeddingRequestOutput``, what ``LLM.embed`` returns per prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        """The embedding of a finished pooling request; raises RuntimeError if the request failed."""
+        if out.pooled is None:
+            raise RuntimeError(f"request {out.request_id} produced no embedding: {out.error or 'aborted'}")
+        return cls(out.request_id, EmbeddingOutput(out.pooled), out.prompt_token_ids, out.finished)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import time
 
 from heron.engine.messages import CoreInfo, EngineCoreRequest
 from heron.errors import InvalidRequestError, PromptTooLongError
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
 
 
@@ -27,13 +28,16 @@ class InputProcessor:
         longest_token = max(map(len, tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = info.max_model_len * longest_token
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the model's (or ``--chat-template``'s) template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render chat messages (and the tool definitions ``tools``, OpenAI's shape) with the model's (or
+        ``--chat-template``'s) template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; pass --chat-template or use completions")
         self.check_text_size(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
+        extra = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **extra)
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """The token ids of ``prompt`` (a list of ids is returned as is); refuses text too long to fit."""
@@ -51,10 +55,11 @@ class InputProcessor:
                 f"{self.max_prompt_chars // self.info.max_model_len} per token at most). Reduce the prompt.",
                 param="prompt")
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                arrival_time: float | None = None, add_special_tokens: bool = True,
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                priority: int = 0, arrival_time: float | None = None, add_special_tokens: bool = True,
                 max_tokens_must_fit: bool = False) -> EngineCoreRequest:
-        """The core request for ``prompt``; raises InvalidRequestError / PromptTooLongError.
+        """The core request for ``prompt`` (to generate from, or to pool with ``PoolingParams``); raises
+        InvalidRequestError / PromptTooLongError.
 
         ``max_tokens_must_fit`` refuses a request whose prompt plus ``max_tokens`` exceeds the context (as
         vLLM's server does); otherwise such a request simply stops at the context length.
@@ -63,6 +68,9 @@ class InputProcessor:
         limit = self.info.max_model_len
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if isinstance(params, PoolingParams):
+            return EngineCoreRequest(request_id, token_ids, None, priority, arrival_time or time.time(),
+                                     pooling_params=params)
         n = len(token_ids)
         if max_tokens_must_fit and params.max_tokens is not None and n < limit < n + params.max_tokens:
             raise PromptTooLongError(

@@ -4,6 +4,10 @@ The core knows only token ids: text, stop strings and detokenization live in the
 ``token_ids`` hold the prompt and the accepted output; ``num_computed_tokens`` of them have keys and values in
 the pool. ``spec_token_ids`` are draft tokens to verify in the next step (computed after the last token, never
 counted as accepted until verified).
+
+A pooling request (``pooling`` set) has the neutral ``SamplingParams()`` (one sample, no logprobs, no grammar),
+so the scheduler's questions about samples need no special case; it is never sampled and ends when its prompt
+is computed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, overload
 
 import torch
 
+from heron.engine.pooling import PoolingState
 from heron.sampling.sampler import TokenLogprobs
 from heron.sampling_params import SamplingParams
 
@@ -42,6 +47,7 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling
     num_prompt_logprobs: int = 0  # prompt positions scored so far (position 0 never is)
     new_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # scored since the last output
+    pooling: PoolingState | None = None  # set for a pooling request (runner "pooling")
 
     @property
     def finished(self) -> bool:
@@ -52,6 +58,19 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Whether the next prompt chunk must return the hidden states of all its positions (prompt logprobs,
+        or pooling that reads more than the last position)."""
+        return self.wants_prompt_logprobs or (self.pooling is not None and self.pooling.wants_chunk_rows)
+
+    @property
+    def bypasses_prefix_cache(self) -> bool:
+        """Whether every prompt position must be computed here: the cache holds keys and values, but prompt
+        logprobs and MEAN/CLS pooling read the hidden states of positions it would skip."""
+        return self.params.prompt_logprobs is not None or (self.pooling is not None
+                                                            and self.pooling.reads_early_positions)
 
 
 class OutputTokens(Seq):

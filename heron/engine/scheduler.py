@@ -23,9 +23,9 @@ from heron.engine.request import SeqStatus, Sequence
 
 @dataclass
 class ScheduledSeq:
-    """What one sequence computes this step: ``token_ids`` at positions ``start_pos...``; the logits of the
-    last ``num_logits`` of them are wanted. ``block_ids`` extend the runner's block-table row, or replace
-    it when ``reset``."""
+    """What one sequence computes this step: ``token_ids`` at positions ``start_pos...``; the final hidden
+    states (for logits, or pooling) of the last ``num_logits`` of them are wanted. ``block_ids`` extend the
+    runner's block-table row, or replace it when ``reset``."""
 
     seq_id: int
     token_ids: list[int]
@@ -115,7 +115,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seats_taken + self._seats(seq) > self.max_num_seqs:
                 break
-            cached = ([], []) if seq.request.params.prompt_logprobs is not None else bm.find_cached_prefix(seq)
+            cached = ([], []) if seq.request.bypasses_prefix_cache else bm.find_cached_prefix(seq)
             remaining = len(seq) - len(cached[0]) * bm.block_size
             if remaining > budget and not self.chunked_prefill:
                 break
@@ -147,7 +147,7 @@ class Scheduler:
         num_logits = 0
         if start + num_new == len(seq) + len(seq.spec_token_ids):
             num_logits = 1 + len(seq.spec_token_ids)
-        if seq.index == 0 and seq.request.wants_prompt_logprobs and start < seq.num_prompt_tokens:
+        if seq.index == 0 and seq.request.wants_prompt_rows and start < seq.num_prompt_tokens:
             num_logits = num_new
         reset = seq.table_reset
         blocks = seq.block_table if reset else seq.block_table[seq.num_sent_blocks:]

@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -19,24 +19,29 @@ import heron
 from heron.config import EngineConfig
 from heron.engine.async_engine import AsyncEngine
 from heron.errors import HeronError, InvalidRequestError, ModelLoadError
+from heron.model.generation_config import default_sampling_params
 from heron.server.chat import Chat
 from heron.server.completions import Completions
+from heron.server.embeddings import Embeddings
 from heron.server.http_errors import APIError, InternalErrorMiddleware, error_body, install_handlers
 from heron.server.metrics import CONTENT_TYPE, ServerMetrics
 from heron.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
 )
+from heron.server.reasoning import REASONING_PARSERS
 from heron.server.serving import Serving
 from heron.server.shutdown import FLUSH_TIMEOUT, Drain, DrainingServer
+from heron.server.tools import ToolSettings
 
 logger = logging.getLogger("heron.server")
 
-_PROTECTED = ("/v1", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1", "/pooling", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -50,10 +55,13 @@ class ServerOptions:
     uvicorn_log_level: str = "info"
     shutdown_timeout: float = 5.0
     max_request_body: int = 32 * 1024**2
+    tools: ToolSettings = field(default_factory=ToolSettings)  # --enable-auto-tool-choice, --tool-call-parser
+    reasoning_parser: str | None = None  # a REASONING_PARSERS name
 
 
 class APIKeyMiddleware:
-    """Answers 401 to requests under /v1 (and /tokenize, /detokenize) without ``Authorization: Bearer KEY``."""
+    """Answers 401 to requests under /v1 (and /pooling, /tokenize, /detokenize) without ``Authorization: Bearer
+    KEY``."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
@@ -100,12 +108,14 @@ class BodyLimitMiddleware:
 
 def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Callable[[], None] | None = None
               ) -> FastAPI:
-    """The FastAPI app serving ``engine``; starting the app starts the engine (which loads the model)."""
+    """The FastAPI app serving ``engine``; starting the app starts the engine (which loads the model). Raises
+    ConfigError for a ``--generation-config`` that cannot be used."""
     config = engine.config
     model_name = config.served_model_name or config.model
     metrics = ServerMetrics(model_name, engine.stats)
-    serving = Serving(engine, metrics, model_name, options.log_requests)
-    completions, chat = Completions(serving), Chat(serving)
+    serving = Serving(engine, metrics, model_name, options.log_requests,
+                      default_sampling_params(config.model, config.generation_config))
+    completions, chat, embeddings = Completions(serving), Chat(serving, options.tools, REASONING_PARSERS.get(options.reasoning_parser)), Embeddings(serving)
     drain = Drain(engine, options.shutdown_timeout)
 
     @contextlib.asynccontextmanager
@@ -154,17 +164,43 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
         card = ModelCard(id=model_name, root=config.model, max_model_len=max_len)
         return ModelList(data=[card]).model_dump()
 
+    def check_runner(path: str, wanted: str) -> None:
+        """Refuse a route the engine's runner does not serve, naming the flag that would."""
+        if config.runner == wanted:
+            return
+        if wanted == "pooling":
+            raise APIError(400, f"{path} needs a server started with --runner pooling (or --task embed); this one "
+                                "generates text")
+        raise APIError(400, f"this server was started with --runner pooling: it serves /v1/embeddings and "
+                            f"/pooling, not {path}; start it without --runner pooling to generate text")
+
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         drain.check_admitting()
+        check_runner("/v1/completions", "generate")
         check_model(req.model)
         return await completions.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         drain.check_admitting()
+        check_runner("/v1/chat/completions", "generate")
         check_model(req.model)
         return await chat.create(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response:
+        drain.check_admitting()
+        check_runner("/v1/embeddings", "pooling")
+        check_model(req.model)
+        return await embeddings.create(req, raw)
+
+    @app.post("/pooling")
+    async def create_pooling(req: EmbeddingRequest, raw: Request) -> Response:
+        drain.check_admitting()
+        check_runner("/pooling", "pooling")
+        check_model(req.model)
+        return await embeddings.create(req, raw, pooling_api=True)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -8,6 +8,9 @@ import sys
 
 from heron.config import DEFAULT_MODEL, EngineConfig, parse_size
 from heron.errors import ConfigError, HeronError
+from heron.server.reasoning import REASONING_PARSERS
+from heron.server.tool_parsers import TOOL_PARSERS
+from heron.server.tools import ToolSettings
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -27,8 +30,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="on SIGTERM, seconds in-flight requests may run on (new ones get 503) before the rest "
                              "end with an error (default: 5)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="accepted for vLLM compatibility: heron always reports "
+                             "usage.prompt_tokens_details.cached_tokens")
     server.add_argument("--max-request-body", default="32MiB",
                         help="largest request body accepted, e.g. 32MiB; larger ones get 413 (default: 32MiB)")
+    chat = parser.add_argument_group("tool calling and reasoning (docs/tool_calling.md)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='let the model decide to call tools (tool_choice "auto"); a model whose chat template '
+                           "renders tools also needs --tool-call-parser")
+    chat.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                      help="the format in which the model writes tool calls, read for tool_choice \"auto\"")
+    chat.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                      help="return the model's <think>...</think> text as reasoning_content")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -48,7 +62,9 @@ def serve(args: argparse.Namespace) -> int:
     options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                             log_requests=not args.disable_log_requests, uvicorn_log_level=args.uvicorn_log_level,
                             shutdown_timeout=args.shutdown_timeout,
-                            max_request_body=parse_size(args.max_request_body))
+                            max_request_body=parse_size(args.max_request_body),
+                            tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
+                            reasoning_parser=args.reasoning_parser)
     run_server(config, options)
     return 0
 

@@ -35,7 +35,7 @@ class Completions:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         request_id = raw.state.request_id = new_request_id("cmpl")
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.serving.default_sampling)
         prompts = req.prompts()
         streams = await self.serving.open(prompts, params, request_id, req.priority)
         if req.stream:

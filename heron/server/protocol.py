@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from heron.errors import InvalidRequestError
 from heron.sampling_params import GuidedDecodingParams, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range; larger biases are clamped to it, as vLLM does
+
+# fields a model's generation config may give defaults for (heron/model/generation_config.py), max_tokens aside
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 Int64 = Annotated[int, Field(ge=-2**63, lt=2**63)]
 Seed = Annotated[int, Field(ge=-2**63, lt=2**64)]  # SamplingParams' range: signed or unsigned 64-bit
@@ -123,8 +127,16 @@ class _SamplingRequest(_Model):
                 raise InvalidRequestError(f"guided_json is not valid JSON: {e}", param="guided_json") from e
         return GuidedDecodingParams(**guided)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, logprobs_field: str = "logprobs",
-                         **extra: Any) -> SamplingParams:
+    def _or_default(self, name: str, defaults: Mapping[str, Any]) -> Any:
+        """The request's ``name``; where the request is silent on it (left out or null), the model's default
+        if ``defaults`` has one."""
+        value = getattr(self, name)
+        if (name not in self.model_fields_set or value is None) and name in defaults:
+            return defaults[name]
+        return value
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any],
+                         logprobs_field: str = "logprobs", **extra: Any) -> SamplingParams:
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise InvalidRequestError(f"{logprobs_field} must be at most {MAX_LOGPROBS}, got {logprobs}",
                                       param=logprobs_field)
@@ -136,13 +148,11 @@ class _SamplingRequest(_Model):
             except ValueError as e:
                 raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
                                           param="logit_bias") from e
+        sampling = {name: self._or_default(name, defaults) for name in MODEL_DEFAULTED}
         return SamplingParams(
-            n=self.n, best_of=self.best_of,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p,
+            n=self.n, best_of=self.best_of, **{k: v for k, v in sampling.items() if v is not None},
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -167,11 +177,14 @@ class CompletionRequest(_SamplingRequest):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         return list(p)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` (the model's generation config) fill the fields it is
+        silent on."""
         if self.suffix is not None:
             raise InvalidRequestError("suffix is not supported", param="suffix")
+        defaults = defaults or {}
         extra = {"prompt_logprobs": self.logprobs} if self.echo and self.logprobs is not None else {}
-        return self._sampling_params(self.max_tokens, self.logprobs, **extra)
+        return self._sampling_params(self._or_default("max_tokens", defaults), self.logprobs, defaults, **extra)
 
 
 class ContentPart(_Model):
@@ -179,19 +192,80 @@ class ContentPart(_Model):
     text: str
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(_Model):
+    """A call an assistant made: in a response, and in the history a request sends back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
 
-    def to_dict(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _tool_fields_fit_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages have tool_calls, not {self.role} messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"only tool messages have a tool_call_id, not {self.role} messages")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's convention: tool-call arguments as a dict)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        msg = {"role": self.role, "content": content or ""}
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    """Arguments as templates render them (``tool_call.arguments | tojson``): the object, if ``text`` is one
+    (as vLLM does); else the text as it is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -200,13 +274,20 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The request's SamplingParams; ``defaults`` (the model's generation config) fill the fields it is
+        silent on."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        defaults = defaults or {}
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs, "top_logprobs")
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self._or_default("max_tokens", defaults))
+        return self._sampling_params(max_tokens, logprobs, defaults, "top_logprobs")
 
 
 class TokenizeRequest(_Model):
@@ -224,15 +305,21 @@ class DetokenizeRequest(_Model):
 # ---- responses ----
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):
@@ -276,6 +363,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -307,3 +396,54 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+# ---- embeddings and pooling (--runner pooling) ----
+
+
+class EmbeddingRequest(_Model):
+    """OpenAI's embeddings request (also vLLM's ``/pooling``), plus vLLM's extra fields."""
+
+    model: str | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None  # None: the server's --pooler-config
+    priority: Int64 = 0
+
+    def inputs(self) -> list[str | list[int]]:
+        """The request's inputs, each a string or a list of token ids."""
+        x = self.input
+        if isinstance(x, str) or (x and isinstance(x[0], int)):
+            x = [x]
+        if not x or any(len(i) == 0 for i in x):
+            raise InvalidRequestError("input must not be empty (nor hold an empty string or list)", param="input")
+        return list(x)
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: list[float] | str  # a string when encoding_format is base64
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: str = "pooling"
+    data: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData] | list[PoolingData]
+    usage: EmbeddingUsage

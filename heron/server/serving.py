@@ -1,4 +1,5 @@
-"""What the generation endpoints share: the engine, metrics, model name, request logging and token text."""
+"""What the generation (and pooling) endpoints share: the engine, metrics, model name, request logging and token
+text."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from heron.engine.async_engine import AsyncEngine, RequestStream
 from heron.engine.outputs import RequestOutput, SampleLogprobs
 from heron.errors import InvalidRequestError
+from heron.pooling_params import PoolingParams
 from heron.sampling_params import SamplingParams
 from heron.server.metrics import ServerMetrics
 from heron.server.protocol import Usage
@@ -25,10 +28,12 @@ def new_request_id(prefix: str) -> str:
 
 
 def usage_of(finals: list[RequestOutput | None]) -> Usage:
-    """Token usage of some requests' final outputs (prompt tokens once per request, all choices' tokens)."""
+    """Token usage of some requests' final outputs (prompt tokens once per request, all choices' tokens, and the
+    prompt tokens the prefix cache served)."""
     done = [f for f in finals if f is not None]
     return Usage.of(sum(len(f.prompt_token_ids) for f in done),
-                    sum(len(c.token_ids) for f in done for c in f.outputs))
+                    sum(len(c.token_ids) for f in done for c in f.outputs),
+                    sum(f.num_cached_tokens for f in done))
 
 
 class Totals:
@@ -58,17 +63,18 @@ def openai_logprobs(token_ids: list[int], lps: SampleLogprobs | None, num_top: i
 
 @dataclass
 class Serving:
-    """State shared by the endpoints that generate text."""
+    """State shared by the endpoints that generate text or pool prompts."""
 
     engine: AsyncEngine
     metrics: ServerMetrics
     model_name: str
     log_requests: bool = True
+    default_sampling: dict[str, Any] = field(default_factory=dict)  # the model's generation-config defaults
 
-    async def open(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
+    async def open(self, prompts: list[str | list[int]], params: SamplingParams | PoolingParams, request_id: str,
                    priority: int = 0, add_special_tokens: bool = True) -> list[RequestStream]:
         """Queue one engine request per prompt; the engine's validation errors are raised here."""
-        if params.n > self.engine.config.max_num_seqs:
+        if isinstance(params, SamplingParams) and params.n > self.engine.config.max_num_seqs:
             raise InvalidRequestError(f"n must be at most --max-num-seqs ({self.engine.config.max_num_seqs}), "
                                       f"got {params.n}", param="n")
         streams: list[RequestStream] = []

@@ -21,7 +21,8 @@ def test_describe_percentiles_in_milliseconds():
     assert d["median"] == pytest.approx(50.5)
     assert d["p90"] == pytest.approx(90.1)
     assert d["p99"] == pytest.approx(99.01)
-    assert describe([]) == {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    assert d["std"] == pytest.approx(28.866, abs=1e-3)  # population standard deviation, as numpy's and vLLM's
+    assert describe([]) == {"mean": 0.0, "median": 0.0, "std": 0.0, "p90": 0.0, "p99": 0.0}
 
 
 def test_tpot_excludes_the_first_token():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +25,7 @@ from heron.config import EngineConfig
 from heron.engine.async_engine import AsyncEngine
 from heron.server.api_server import ServerOptions, build_app
 
+from .chat_templates import QWEN3_STYLE
 from .fake_core import FakeCore, FakeTokenizer
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -125,6 +127,19 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log()}")
 
+    def __enter__(self) -> ServerProcess:
+        return self.wait_healthy()
+
+    def __exit__(self, *exc) -> None:
+        """Stop the server; it must exit cleanly (unless the block already failed)."""
+        code = self.stop()
+        if exc[0] is None:
+            assert code == 0, self.log()
+
+    def client(self, timeout: float = 60) -> openai.OpenAI:
+        """The official OpenAI client on this server."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
@@ -154,3 +169,20 @@ def launch_server(tmp_path):
     yield launch
     for s in servers:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_style_server(tmp_path_factory):
+    """A tiny random-weight Qwen3 served with a Qwen3-style chat template (``chat_templates.QWEN3_STYLE``),
+    auto tool choice with the hermes parser, and the qwen3 reasoning parser; shared by the tool-calling and
+    reasoning tests."""
+    from helpers import build_tiny_model
+
+    root = tmp_path_factory.mktemp("qwen3-style")
+    model = build_tiny_model("qwen3", root / "model", max_position_embeddings=4096)
+    template = root / "template.jinja"
+    template.write_text(QWEN3_STYLE)
+    with ServerProcess(model, "--served-model-name", "tiny", "--chat-template", str(template),
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                        log_path=root / "server.log", kind="tiny") as proc:
+        yield proc

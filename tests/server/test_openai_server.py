@@ -22,17 +22,14 @@ def server(request, tiny_model_dir, tmp_path_factory):
         model = tiny_model_dir("llama")
     else:
         model = request.getfixturevalue("smollm2_path")
-    proc = ServerProcess(model, "--max-num-seqs", "64", "--max-model-len", "512", "--served-model-name",
-                         "test-model", log_path=tmp_path_factory.mktemp("server") / "server.log", kind=request.param)
-    try:
-        yield proc.wait_healthy()
-    finally:
-        assert proc.stop() == 0, proc.log()
+    with ServerProcess(model, "--max-num-seqs", "64", "--max-model-len", "512", "--served-model-name",
+                        "test-model", log_path=tmp_path_factory.mktemp("server") / "server.log", kind=request.param) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return server.client()
 
 
 def metrics(server: ServerProcess) -> dict[str, float]:
@@ -251,3 +248,11 @@ def test_structured_outputs(server, client):
     r = client.chat.completions.create(model="test-model", messages=USER, max_tokens=20, response_format={
         "type": "json_schema", "json_schema": {"name": "color", "schema": schema}})
     assert json.loads(r.choices[0].message.content) in ("red", "green")
+
+
+def test_embeddings_need_a_pooling_server(server, client):
+    for path in ("/v1/embeddings", "/pooling"):
+        r = httpx.post(server.url + path, json={"model": "test-model", "input": "hi"})
+        assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model="test-model", input="hi")
