@@ -45,8 +45,8 @@ class EngineConfig:
     max_model_len: int | None = _flag("maximum context length (prompt + output); defaults to the model's", default=None)
     block_size: int = _flag("tokens per KV-cache block", default=16)
     gpu_memory_utilization: float = _flag("fraction of GPU memory heron may use (CUDA)", default=0.9)
-    kv_cache_memory: str | None = _flag("KV-cache budget in bytes, e.g. 2GiB (CPU default: 1GiB; overrides "
-                                        "--gpu-memory-utilization on CUDA)", default=None)
+    kv_cache_memory: str | None = _flag("KV-cache budget in bytes, e.g. 2GiB (CPU default: a tenth of RAM, "
+                                        "1-4GiB; overrides --gpu-memory-utilization on CUDA)", default=None)
     num_gpu_blocks_override: int | None = _flag("use exactly this many KV blocks (testing)", default=None)
     kv_cache_dtype: str = _flag("KV-cache dtype: auto (= model dtype)", default="auto")
     max_num_seqs: int = _flag("maximum sequences in one batch", default=256)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -13,7 +14,7 @@ from heron.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB
+GiB = 1 << 30
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
@@ -39,18 +40,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if has_native_bf16() else torch.float32
 
 
+def cpu_default_kv_bytes(total_memory: int | None = None) -> int:
+    """The CPU's default KV budget: a tenth of the machine's memory, between 1 and 4 GiB (vLLM's CPU backend
+    takes 4 GiB by default). Pages are only touched as blocks fill, so an idle pool costs little; a pool too
+    small for the batch costs preemptions, and their recomputed prompts (15% of offline throughput with 256
+    requests at 1 GiB, docs/performance.md)."""
+    if total_memory is None:
+        total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(4 * GiB, max(GiB, total_memory // 10 // GiB * GiB))
+
+
 def kv_cache_budget(config: EngineConfig, device: torch.device, activation_peak_bytes: int = 0,
                     mem_get_info: Callable[[], tuple[int, int]] | None = None) -> int:
     """Bytes the KV pool may take.
 
-    CPU: ``--kv-cache-memory`` (default 1 GiB). CUDA: ``--kv-cache-memory`` if given, else
+    CPU: ``--kv-cache-memory`` (default ``cpu_default_kv_bytes()``). CUDA: ``--kv-cache-memory`` if given, else
     ``gpu_memory_utilization * total - used_now - activation_peak``, where ``used_now`` is measured after
     the weights are loaded and ``activation_peak`` by a profiling forward.
     """
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
     if device.type != "cuda":
-        return CPU_DEFAULT_KV_BYTES
+        return cpu_default_kv_bytes()
     free, total = (mem_get_info or torch.cuda.mem_get_info)()
     budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_peak_bytes
     if budget <= 0:

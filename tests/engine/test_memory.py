@@ -52,7 +52,7 @@ def test_cpu_flags_name_native_bf16(monkeypatch):
 
 def test_cpu_budget_defaults_and_override():
     cpu = torch.device("cpu")
-    assert memory.kv_cache_budget(EngineConfig(), cpu) == memory.CPU_DEFAULT_KV_BYTES
+    assert memory.kv_cache_budget(EngineConfig(), cpu) == memory.cpu_default_kv_bytes()
     assert memory.kv_cache_budget(EngineConfig(kv_cache_memory="256MiB"), cpu) == 256 << 20
 
 
@@ -74,3 +74,10 @@ def test_num_blocks_fits_budget_and_caps_at_useful_size():
     with pytest.raises(ConfigError, match="kv-cache-memory"):
         memory.num_kv_blocks(cfg, 10, 1000, max_model_len=64)
     assert memory.num_kv_blocks(EngineConfig(num_gpu_blocks_override=7), 10, 1000, 64) == 7
+
+
+def test_cpu_default_kv_budget_is_a_tenth_of_memory_within_1_and_4_gib():
+    gib = memory.GiB
+    assert memory.cpu_default_kv_bytes(4 * gib) == gib
+    assert memory.cpu_default_kv_bytes(24 * gib) == 2 * gib
+    assert memory.cpu_default_kv_bytes(512 * gib) == 4 * gib
