@@ -23,7 +23,7 @@ from heron.sampling.processors import (
     apply_min_tokens,
     changes_logits,
 )
-from heron.sampling.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
+from heron.sampling.topk_topp import apply_min_p, apply_top_k_top_p, greedy, random_sample
 from heron.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Sampler:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if all(r.params.greedy and r.grammar is None and not changes_logits(r) and not has_penalties(r.params)
                for r in rows):
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy(logits)
             return SamplerOutput(tokens.tolist(), self._logprobs(logits[want], tokens, rows, want))
         logits = logits.to(torch.float32, copy=True)
         if any(r.grammar is not None for r in rows):
@@ -99,7 +99,7 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1) if meta.any_greedy else None
+        greedy_tokens = greedy(logits) if meta.any_greedy else None
         if meta.all_greedy:
             return greedy_tokens
         logits.div_(meta.temperature.unsqueeze(1))

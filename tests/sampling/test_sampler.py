@@ -172,3 +172,14 @@ def test_gather_logprobs_for_given_tokens():
     raw = torch.log_softmax(logits, -1)
     assert [lp.logprob for lp in lps] == pytest.approx(raw[torch.arange(3), targets].tolist(), abs=1e-6)
     assert lps[2].rank == 1 and len(lps[0].top) == 2
+
+
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    from heron.sampling.topk_topp import greedy
+
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    logits[:, 700] = logits[:, 300] = 50.0
+    logits[0, :] = float("-inf")
+    logits[0, 5] = logits[0, 9] = 0.0
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    assert greedy(logits)[1:].eq(300).all() and greedy(logits)[0] == 5
