@@ -143,3 +143,28 @@ def test_model_with_cpu_kernels_equals_its_pytorch_form(tiny_model_dir, arch, dt
     else:  # rounding differs (one rounding per fused op instead of one per PyTorch op): close, not equal
         assert (fused_logits - ref_logits).abs().max() < 0.1 * ref_logits.abs().max()
         assert fused_tokens[:4] == ref_tokens[:4]
+
+
+def test_a_failed_build_falls_back_to_pytorch_ops_and_the_reference_backend(monkeypatch, caplog):
+    """No compiler (or a broken one): one warning, and the engine still runs, on PyTorch ops."""
+    import heron.attention.cpu_paged as cpu_paged
+    import heron.kernels as heron_kernels
+    from heron.attention.backend import get_attention_backend
+
+    def no_compiler():
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(heron_kernels, "load_cpu_kernels", no_compiler)
+    monkeypatch.setattr(cpu_paged, "load_cpu_kernels", no_compiler)
+    cpu_kernels.cache_clear()
+    try:
+        assert heron_kernels.cpu_kernels() is None
+        assert get_attention_backend("auto").name == "reference"
+        with pytest.raises(RuntimeError, match="command not found"):
+            get_attention_backend("cpu_paged")  # asked for by name: the error, not a silent fallback
+        norm = RMSNorm(16)
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (16,), norm.weight, norm.eps))
+    finally:
+        cpu_kernels.cache_clear()
+    assert "could not be built" in caplog.text
