@@ -62,3 +62,19 @@ def set_engine_threads(requested: int | None, serving: bool) -> int:
     logger.info("engine core: %d CPU threads (of %d usable cores%s)", threads, usable_cores(),
                 "; set with --cpu-threads" if requested is None else "")
     return threads
+
+
+def total_memory() -> int:
+    """Bytes of physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_memory() -> int:
+    """Bytes of physical memory not in use now (MemAvailable: free plus reclaimable caches)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
 from heron.config import EngineConfig
-from heron.cpu import has_native_bf16
+from heron.cpu import has_native_bf16, total_memory
 from heron.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,14 +39,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if has_native_bf16() else torch.float32
 
 
-def cpu_default_kv_bytes(total_memory: int | None = None) -> int:
+def cpu_default_kv_bytes(memory_bytes: int | None = None) -> int:
     """The CPU's default KV budget: a tenth of the machine's memory, between 1 and 4 GiB (vLLM's CPU backend
     takes 4 GiB by default). Pages are only touched as blocks fill, so an idle pool costs little; a pool too
     small for the batch costs preemptions, and their recomputed prompts (15% of offline throughput with 256
     requests at 1 GiB, docs/performance.md)."""
-    if total_memory is None:
-        total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(4 * GiB, max(GiB, total_memory // 10 // GiB * GiB))
+    total = total_memory() if memory_bytes is None else memory_bytes
+    return min(4 * GiB, max(GiB, total // 10 // GiB * GiB))
 
 
 def kv_cache_budget(config: EngineConfig, device: torch.device, activation_peak_bytes: int = 0,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heron.cpu import has_native_bf16
+from heron.cpu import available_memory, has_native_bf16, total_memory
 from heron.kernels import kernels_for
 
 GEMV_MAX_ROWS = 4  # the rows heron's bfloat16 matrix-vector kernel takes (it reads W once for all of them)
@@ -59,10 +59,12 @@ class UnquantizedLinearMethod(QuantizationMethod):
         layer.register_parameter("weight", linear_parameter(weight, output_dim=0))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Pack a bfloat16 CPU weight for oneDNN (``layer.onednn_weight``), where oneDNN is built in."""
+        """Pack a bfloat16 CPU weight for oneDNN (``layer.onednn_weight``), where oneDNN is built in and the
+        second copy leaves a quarter of the machine's memory free (a large model keeps ``F.linear`` instead)."""
         weight = layer.weight
         if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and has_native_bf16()
-                and torch.backends.mkldnn.is_available()):
+                and torch.backends.mkldnn.is_available()
+                and available_memory() - weight.nbytes > total_memory() // 4):
             layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_PACK_ROWS)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -198,3 +198,16 @@ def test_bfloat16_weight_packed_for_onednn_gives_the_same_products(bias):
         expected = torch.nn.functional.linear(x.float(), layer.weight.float(),
                                               layer.bias.float() if bias else None)
         torch.testing.assert_close(layer(x).float(), expected, atol=0.1, rtol=0.02)
+
+
+def test_no_second_copy_for_onednn_when_it_would_leave_under_a_quarter_of_memory_free(monkeypatch):
+    import heron.quantization.base as base
+    from heron.layers.linear import Linear
+
+    layer = Linear(100, 77).to(torch.bfloat16)
+    monkeypatch.setattr(base, "total_memory", lambda: 64 << 30)
+    monkeypatch.setattr(base, "available_memory", lambda: 16 << 30)  # exactly a quarter free already
+    layer.quant_method.process_weights_after_loading(layer)
+    assert getattr(layer, "onednn_weight", None) is None
+    x = torch.randn(9, 100, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))  # F.linear then
