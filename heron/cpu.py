@@ -39,17 +39,25 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+@functools.lru_cache(maxsize=1)
+def torch_default_threads() -> int:
+    """torch's own intra-op default (one thread per physical core), read before heron changes it."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def engine_threads(requested: int | None, serving: bool) -> int:
-    """Intra-op threads for the engine core: ``requested`` (or ``HERON_CPU_THREADS``), else every usable core,
-    less one for the API process when serving on 4 or more cores. On fewer, taking a core from a 2-core core
-    costs more than the API process's contention does (docs/performance.md)."""
+    """Intra-op threads for the engine core: ``requested`` (or ``HERON_CPU_THREADS``), else torch's default
+    within the usable cores, less one for the API process when serving on 4 or more. On fewer, taking a core
+    from a 2-core core costs more than the API process's contention does (docs/performance.md)."""
     if requested is None and os.environ.get("HERON_CPU_THREADS"):
         requested = int(os.environ["HERON_CPU_THREADS"])
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--cpu-threads must be at least 1, got {requested}")
         return requested
-    cores = usable_cores()
+    cores = min(usable_cores(), torch_default_threads())
     return cores - 1 if serving and cores >= 4 else cores
 
 

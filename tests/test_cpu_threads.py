@@ -15,7 +15,17 @@ from heron.errors import ConfigError
 def test_default_threads_leave_a_core_to_the_api_process_from_four_cores(monkeypatch, cores, serving, expected):
     monkeypatch.delenv("HERON_CPU_THREADS", raising=False)
     monkeypatch.setattr(cpu, "usable_cores", lambda: cores)
+    monkeypatch.setattr(cpu, "torch_default_threads", lambda: cores)
     assert cpu.engine_threads(None, serving) == expected
+
+
+def test_default_threads_stay_within_torchs_default_and_the_affinity_mask(monkeypatch):
+    monkeypatch.delenv("HERON_CPU_THREADS", raising=False)
+    monkeypatch.setattr(cpu, "usable_cores", lambda: 32)  # 16 cores with two hyperthreads each
+    monkeypatch.setattr(cpu, "torch_default_threads", lambda: 16)
+    assert cpu.engine_threads(None, serving=False) == 16
+    monkeypatch.setattr(cpu, "usable_cores", lambda: 4)  # taskset to 4 CPUs
+    assert cpu.engine_threads(None, serving=False) == 4
 
 
 def test_flag_then_environment_override_the_default(monkeypatch):

@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import os
-
 from heron.config import EngineConfig
 from heron.cpu import set_engine_threads
 from heron.engine.core import EngineCore
@@ -23,8 +21,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.cpu_threads is not None or os.environ.get("HERON_CPU_THREADS"):
-            set_engine_threads(config.cpu_threads, serving=False)  # else torch's own default: every core
+        set_engine_threads(config.cpu_threads, serving=False)
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self.info = self.core.info

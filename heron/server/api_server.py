@@ -174,32 +174,30 @@ def build_app(engine: AsyncEngine, options: ServerOptions, on_load_failure: Call
         raise APIError(400, f"this server was started with --runner pooling: it serves /v1/embeddings and "
                             f"/pooling, not {path}; start it without --runner pooling to generate text")
 
+    def admit(path: str, runner: str, model: str | None) -> None:
+        """What every generation or pooling route checks first: admitting, the runner, the model name."""
+        drain.check_admitting()
+        check_runner(path, runner)
+        check_model(model)
+
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
-        drain.check_admitting()
-        check_runner("/v1/completions", "generate")
-        check_model(req.model)
+        admit("/v1/completions", "generate", req.model)
         return await completions.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
-        drain.check_admitting()
-        check_runner("/v1/chat/completions", "generate")
-        check_model(req.model)
+        admit("/v1/chat/completions", "generate", req.model)
         return await chat.create(req, raw)
 
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response:
-        drain.check_admitting()
-        check_runner("/v1/embeddings", "pooling")
-        check_model(req.model)
+        admit("/v1/embeddings", "pooling", req.model)
         return await embeddings.create(req, raw)
 
     @app.post("/pooling")
     async def create_pooling(req: EmbeddingRequest, raw: Request) -> Response:
-        drain.check_admitting()
-        check_runner("/pooling", "pooling")
-        check_model(req.model)
+        admit("/pooling", "pooling", req.model)
         return await embeddings.create(req, raw, pooling_api=True)
 
     @app.post("/tokenize")
