@@ -59,7 +59,7 @@ class EngineConfig:
                                    "reference (gather + SDPA, exact), cpu_paged", default="auto",
                                    meta={"choices": ["auto", "reference", "cpu_paged"]})
     cpu_threads: int | None = _flag("intra-op threads of the engine core on the CPU (llama.cpp's -t); default: "
-                                    "the cores this process may use, one fewer when serving on 4 or more "
+                                    "one per physical core this process may use, one fewer when serving on 4 or more "
                                     "(the API process needs one); env HERON_CPU_THREADS", default=None)
     enforce_eager: bool = _flag("accepted for vLLM compatibility (heron always runs eagerly)", default=False)
     speculative_model: str | None = _flag("draft model for speculative decoding", default=None)
