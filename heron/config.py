@@ -48,13 +48,19 @@ class EngineConfig:
     kv_cache_memory: str | None = _flag("KV-cache budget in bytes, e.g. 2GiB (CPU default: a tenth of RAM, "
                                         "1-4GiB; overrides --gpu-memory-utilization on CUDA)", default=None)
     num_gpu_blocks_override: int | None = _flag("use exactly this many KV blocks (testing)", default=None)
-    kv_cache_dtype: str = _flag("KV-cache dtype: auto (= model dtype)", default="auto")
+    kv_cache_dtype: str = _flag("KV-cache dtype: auto (= model dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: one byte "
+                                "per element, twice the tokens in the same memory", default="auto",
+                                meta={"choices": ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]})
+    calculate_kv_scales: bool = _flag("fp8 KV cache: compute the K and V scales from the first batch instead of "
+                                      "using 1.0", default=False)
     max_num_seqs: int = _flag("maximum sequences in one batch", default=256)
     max_num_batched_tokens: int = _flag("token budget of one engine step (chunked prefill above it)", default=2048)
     enable_prefix_caching: bool = _flag("automatic prefix caching", default=True)
     enable_chunked_prefill: bool = _flag("split long prompts over several steps", default=True)
     tensor_parallel_size: int = _flag("tensor-parallel degree", default=1)
-    quantization: str | None = _flag("weight quantization method", default=None)
+    quantization: str | None = _flag("weight quantization: gguf (a GGUF's blocks kept quantized; the default for a "
+                                     "GGUF on the CPU), int8 / int4 (weight-only, from a full-precision checkpoint), "
+                                     "fp8, awq, gptq; default: the checkpoint's own", default=None)
     attention_backend: str = _flag("attention backend: auto (the CPU paged kernel on the CPU, else reference), "
                                    "reference (gather + SDPA, exact), cpu_paged", default="auto",
                                    meta={"choices": ["auto", "reference", "cpu_paged"]})
@@ -109,8 +115,6 @@ class EngineConfig:
         PoolerConfig.parse(self.pooler_config)  # raises ConfigError on a bad value
         unbuilt = {
             "--tensor-parallel-size > 1": self.tensor_parallel_size != 1,
-            "--quantization": self.quantization not in (None, "", "none"),
-            "--kv-cache-dtype other than auto": self.kv_cache_dtype not in ("auto",),
             "--speculative-model / --speculative-config": bool(self.speculative_model or self.speculative_config),
             "--num-speculative-tokens": self.num_speculative_tokens not in (None, 0),
         }

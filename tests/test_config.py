@@ -27,8 +27,6 @@ def test_flags_have_vllm_names_and_types():
 
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
-    (["--quantization", "fp8"], "--quantization"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
     (["--speculative-model", "draft"], "--speculative-model"),
     (["--num-speculative-tokens", "4"], "--num-speculative-tokens"),
     (["--block-size", "12"], "power of two"),

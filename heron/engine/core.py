@@ -73,7 +73,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.tokenizer,
-                            config.chat_template)
+                            config.chat_template, config.quantization)
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer  # only for compiling grammars against the vocabulary
         self.eos_token_ids = loaded.eos_token_ids

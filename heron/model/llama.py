@@ -39,10 +39,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
-                                     quant_method=quantization_method_for(config))
+                                     quant_method=quantization_method_for(config, "qkv_proj"))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias,
-                             quant_method=quantization_method_for(config))
+                             quant_method=quantization_method_for(config, "o_proj"))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -64,9 +64,9 @@ class MLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                         quant_method=quantization_method_for(config))
+                                         quant_method=quantization_method_for(config, "gate_up_proj"))
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias,
-                                quant_method=quantization_method_for(config))
+                                quant_method=quantization_method_for(config, "down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +113,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rotary, qkv_bias, qk_norm, sliding_window_of(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size,
+                             quant_method=quantization_method_for(config, "lm_head"))
         self.tie_weights()
         for p in self.parameters():
             p.requires_grad_(False)

@@ -31,6 +31,15 @@ def linear_parameter(data: torch.Tensor, output_dim: int | None = None) -> nn.Pa
 class QuantizationMethod(ABC):
     """How a linear layer stores its weight and computes ``x W^T + b``; stateless, all state lives on the layer."""
 
+    quantizes_lm_head = False  # the LM head stays dense unless the format says otherwise (as vLLM)
+
+    @classmethod
+    def for_layer(cls, quant_config: dict, layer: str) -> QuantizationMethod:
+        """The method for linear layer ``layer`` of a model whose ``quantization_config`` is ``quant_config``."""
+        if layer == "lm_head" and not cls.quantizes_lm_head:
+            return UnquantizedLinearMethod()
+        return cls()
+
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:

@@ -1,0 +1,185 @@
+"""Integer weights in the layout of heron's int8-dot-product kernel, shared by every integer format.
+
+Any block format whose weights are ``w[n, k] = scale[n, g] * q[n, k] + min[n, g]`` (g = k // group, q an
+unsigned integer) lands here exactly: GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K, heron's own int8/int4, AWQ and GPTQ. A
+format only turns its checkpoint tensors into ``IntShard``s; this module packs them and multiplies.
+
+The packed layout (``PackedInt``) is the one the kernel streams: 16 output rows side by side, 4 consecutive
+inputs per row in one 32-bit lane, so one AVX-512 VNNI instruction multiplies 16 rows x 4 inputs by 4 int8
+activations. 8-bit: ``qweight[N/16, K/4, 16, 4]``; 4-bit: ``qweight[N/16, K/8, 16, 4]`` whose byte j of a lane
+holds input j in its low nibble and input j+4 in its high nibble. Scales and mins are ``[N/16, K/group, 16]``
+float32, the 16 rows of a group side by side. N is padded to 16 and K to the kernel's block (rows and inputs of
+zeros that add nothing). ``dequantize`` is the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from heron.kernels import kernels_for
+from heron.quantization.base import QuantizationMethod
+
+ROWS = 16  # output rows per packed tile: one AVX-512 register of int32 lanes
+ACT_BLOCK = 32  # inputs per activation quantization block (the kernel's int8 x; as llama.cpp's q8 blocks)
+
+
+@dataclass
+class IntShard:
+    """One projection's integer weight: ``w[n, k] = scales[n, k // group] * q[n, k] + mins[n, k // group]``."""
+
+    q: torch.Tensor  # uint8 [n, K], each value < 2**bits
+    scales: torch.Tensor  # float32 [n, K // group]
+    mins: torch.Tensor  # float32 [n, K // group]
+    bits: int  # 4 or 8
+    group: int
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"integer weights have 4 or 8 bits, not {self.bits}")
+        if not valid_group(self.group) or k % self.group:
+            raise ValueError(f"group size {self.group} does not fit {k} inputs (16, 32 or a multiple of 32 "
+                             "dividing them)")
+        if self.scales.shape != (n, k // self.group) or self.mins.shape != self.scales.shape:
+            raise ValueError(f"scales {tuple(self.scales.shape)} / mins {tuple(self.mins.shape)} do not match "
+                             f"{n} rows of {k // self.group} groups")
+
+    def with_group(self, group: int) -> IntShard:
+        """The same weight with scales repeated to a smaller ``group`` dividing this one."""
+        if self.group % group:
+            raise ValueError(f"cannot split groups of {self.group} into groups of {group}")
+        times = self.group // group
+        return IntShard(self.q, self.scales.repeat_interleave(times, dim=1),
+                        self.mins.repeat_interleave(times, dim=1), self.bits, group)
+
+    def with_bits(self, bits: int) -> IntShard:
+        """The same weight stored in ``bits`` >= its own (4-bit values fit 8-bit lanes unchanged)."""
+        if bits < self.bits:
+            raise ValueError(f"cannot store {self.bits}-bit values in {bits} bits")
+        return IntShard(self.q, self.scales, self.mins, bits, self.group)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [n, K]."""
+        scales = self.scales.repeat_interleave(self.group, dim=1)
+        mins = self.mins.repeat_interleave(self.group, dim=1)
+        return self.q.float() * scales + mins
+
+
+def valid_group(group: int) -> bool:
+    """Group sizes the kernel takes: 16, 32, or a multiple of 32 (an int32 sum never spans two x blocks)."""
+    return group in (16, 32) or (group > 0 and group % ACT_BLOCK == 0)
+
+
+@dataclass
+class PackedInt:
+    """An integer weight of ``n`` x ``k`` in the kernel's layout (see the module docstring)."""
+
+    qweight: torch.Tensor  # uint8 [N/16, K*bits/32, 16, 4]
+    scales: torch.Tensor  # float32 [N/16, K/group, 16]
+    mins: torch.Tensor  # float32 [N/16, K/group, 16]
+    bits: int
+    group: int
+    n: int  # output rows before padding
+    k: int  # inputs before padding
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [n, k] in ``dtype`` (the reference of the kernel, and its fallback)."""
+        return unpack(self).dequantize()[: self.n, : self.k].to(dtype)
+
+
+def merge(shards: list[IntShard]) -> IntShard:
+    """Shards of one merged layer (q/k/v, gate/up) stacked along the rows, in the widest bits and finest
+    group among them (a Q4_K + Q6_K layer becomes 8-bit groups of 16, exactly)."""
+    bits = max(s.bits for s in shards)
+    group = math.gcd(*(s.group for s in shards))
+    if not valid_group(group):
+        raise ValueError(f"shards with groups {[s.group for s in shards]} have no common group the kernel takes")
+    shards = [s.with_bits(bits).with_group(group) for s in shards]
+    return IntShard(torch.cat([s.q for s in shards]), torch.cat([s.scales for s in shards]),
+                    torch.cat([s.mins for s in shards]), bits, group)
+
+
+def pack(shard: IntShard) -> PackedInt:
+    """``shard`` in the kernel's layout."""
+    n, k = shard.q.shape
+    k_block = max(shard.group, ACT_BLOCK)
+    n_pad, k_pad = -n % ROWS, -k % k_block
+    q = torch.nn.functional.pad(shard.q, (0, k_pad, 0, n_pad))
+    scales = torch.nn.functional.pad(shard.scales, (0, k_pad // shard.group, 0, n_pad))
+    mins = torch.nn.functional.pad(shard.mins, (0, k_pad // shard.group, 0, n_pad))
+    tiles, kp = q.shape[0] // ROWS, q.shape[1]
+    if shard.bits == 8:
+        qweight = q.view(tiles, ROWS, kp // 4, 4).transpose(1, 2)
+    else:  # inputs 8i..8i+3 in the low nibbles, 8i+4..8i+7 in the high ones
+        q = q.view(tiles, ROWS, kp // 8, 2, 4)
+        qweight = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(1, 2)
+    return PackedInt(qweight.contiguous(), _tile_rows(scales), _tile_rows(mins), shard.bits, shard.group, n, k)
+
+
+def unpack(packed: PackedInt) -> IntShard:
+    """The padded shard ``packed`` was made from (the inverse of ``pack``)."""
+    tiles = packed.qweight.shape[0]
+    if packed.bits == 8:
+        q = packed.qweight.transpose(1, 2).reshape(tiles * ROWS, -1)
+    else:
+        lanes = packed.qweight.transpose(1, 2)  # [tiles, 16, K/8, 4]
+        q = torch.stack([lanes & 15, lanes >> 4], dim=3).reshape(tiles * ROWS, -1)
+    return IntShard(q, _untile_rows(packed.scales), _untile_rows(packed.mins), packed.bits, packed.group)
+
+
+def _tile_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [N/16, G, 16] float32."""
+    return t.float().view(-1, ROWS, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _untile_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+# Above this many rows, dequantizing to the activation dtype and using the dense matmul (oneDNN's AMX/AVX-512
+# GEMM) beats the int8-dot kernel, which re-reads the activations per 16 output rows (measured in
+# benchmarks/bench_int_linear.py; docs/quantization.md)
+KERNEL_MAX_ROWS = 32
+
+
+def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + bias`` for a packed integer W: heron's kernel for up to ``KERNEL_MAX_ROWS`` rows of x on the
+    CPU, else W dequantized to x's dtype and a dense matmul."""
+    kernels = kernels_for(x)
+    if kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        return kernels.int_linear(x.contiguous(), packed.qweight, packed.scales, packed.mins, packed.bits,
+                                  packed.group, packed.n, bias)
+    weight = (kernels.int_dequantize(packed.qweight, packed.scales, packed.mins, packed.bits, packed.group,
+                                     packed.n, packed.k, x.dtype)
+              if kernels is not None else packed.dequantize(x.dtype).to(x.device))
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+class PackedIntLinearMethod(QuantizationMethod):
+    """The base of every integer format: a subclass registers its checkpoint's tensors (``create_weights``)
+    and turns a loaded layer's into one ``IntShard`` per projection (``shards``); this packs them once loaded,
+    drops the checkpoint tensors and multiplies with ``linear``."""
+
+    @abstractmethod
+    def shards(self, layer: nn.Module) -> list[IntShard]:
+        """The loaded layer's weight, one shard per entry of ``layer.output_sizes``."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Pack the layer's shards into ``layer.packed`` and free the checkpoint tensors."""
+        packed = pack(merge(self.shards(layer)))
+        for name in [n for n in layer._parameters if n != "bias"]:
+            del layer._parameters[name]
+        layer.packed = packed
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` from ``layer.packed``."""
+        return linear(x, layer.packed, bias)
