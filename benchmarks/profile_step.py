@@ -78,9 +78,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--quantization", default=None, help="e.g. none (dense), gguf (the default for a GGUF on the CPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048,
-                                 attention_backend=args.attention_backend))
+                                 attention_backend=args.attention_backend, quantization=args.quantization,
+                                 kv_cache_dtype=args.kv_cache_dtype))
     rows = [profile_batch(engine, int(b), args.steps, args.prompt_len) for b in args.batch.split(",")]
     for r in rows:
         print(f"batch {r['batch']}: {r['step_ms']:.1f} ms/step (forward {r['forward_ms']:.1f}, outside "
@@ -88,8 +91,10 @@ def main() -> None:
         for kind, ms in r["ops_ms"].items():
             print(f"    {kind:<55} {ms:7.2f} ms")
     backend = engine.core.runner.backend.name
-    save(f"profile_step_{args.dtype}_{backend}", {"model": args.model, "dtype": args.dtype, "attention_backend": backend,
-                                                   "rows": rows})
+    weights = args.quantization or "default"
+    save(f"profile_step_{args.dtype}_{weights}_{backend}",
+         {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+          "kv_cache_dtype": args.kv_cache_dtype, "attention_backend": backend, "rows": rows})
 
 
 if __name__ == "__main__":

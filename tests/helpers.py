@@ -175,3 +175,11 @@ def heron_logits(llm, prompt: list[int]) -> torch.Tensor:
     for b in blocks:
         bm._unref(b)
     return logits
+
+
+def assert_no_leaks(llm) -> None:
+    """Every KV block back in the free list, the block manager consistent, no request left in the core."""
+    core = llm.engine.core
+    core.block_manager.check_invariants()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    assert not core.scheduler.has_unfinished() and not core.requests

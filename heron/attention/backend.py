@@ -6,16 +6,23 @@ A step is a flat batch of ``T`` new tokens from ``B`` sequences: sequence ``b`` 
 counts). New keys and values go to the pool slots ``slot_mapping``; a sequence's context is read through its
 row of ``block_table``. A backend turns this into whatever it needs once per step (``prepare``) and owns the
 layout of its per-layer KV tensor.
+
+A pool may hold float8 (``--kv-cache-dtype fp8``): the backend quantizes what it stores and dequantizes what it
+reads with one layer's ``KVScales``, so each attention layer gets its own copy of the backend (``for_layer``),
+as each vLLM ``Attention`` layer owns its scales.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from heron.quantization.kv import KVScales
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,24 @@ class AttentionBackend(ABC):
     """Stores new keys/values into a paged pool and attends each query over its sequence's context."""
 
     name: str
+    supports_fp8_kv: bool = False  # can store into and attend over a float8 pool
+    kv_scales: KVScales = KVScales()  # this layer's scales (a float8 pool's; 1.0 elsewhere)
+    calculate_kv_scales: bool = False  # set ``kv_scales`` from the first keys and values stored
+
+    def for_layer(self, calculate_kv_scales: bool = False) -> AttentionBackend:
+        """This backend for one attention layer, holding that layer's scales: 1.0, or with
+        ``calculate_kv_scales`` computed from the first batch it stores (``KVScales.from_batch``)."""
+        layer = copy.copy(self)
+        layer.kv_scales = KVScales()
+        layer.calculate_kv_scales = calculate_kv_scales
+        return layer
+
+    def scales_to_store(self, k: torch.Tensor, v: torch.Tensor) -> KVScales:
+        """The scales to store ``k``, ``v`` with; the first call sets them when they are to be calculated."""
+        if self.calculate_kv_scales:
+            self.kv_scales = KVScales.from_batch(k, v)
+            self.calculate_kv_scales = False
+        return self.kv_scales
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -58,7 +83,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write keys and values [T, kv_heads, dim] into pool slots ``slots`` [T] (in this backend's layout)."""
+        """Write keys and values [T, kv_heads, dim] into pool slots ``slots`` [T] (in this backend's layout),
+        quantized with ``scales_to_store(k, v)`` into a float8 pool."""
 
     @abstractmethod
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -5,7 +5,8 @@ through the kernel, whose cost grows with the positions each query attends, not 
 context, and which never gathers a context into a new tensor. Long prefill chunks stay on the reference path
 (gather + SDPA), where a blocked matmul beats a per-query loop. The kernel is part of heron's CPU extension
 (heron/kernels), built at first use; without a compiler the engine falls back to the reference backend with one
-warning.
+warning. A float8 pool is written and read by the kernels too: the queries and the output keep the model's
+dtype, and the layer's key scale is folded into the queries, its value scale into the output.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ class CpuPagedBackend(ReferenceBackend):
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         self.store_kv(kv_cache, k, v, meta.slot_mapping)
         begin, end, _ = meta.backend_data["kernel"]
-        out = self.kernel.paged_attention(q.to(kv_cache.dtype), kv_cache, meta.block_table,
-                                          meta.seq_lens, begin, end, q.shape[-1] ** -0.5,
-                                          sliding_window or 0).to(q.dtype)
+        out = self.kernel.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, begin, end,
+                                          q.shape[-1] ** -0.5, sliding_window or 0, self.kv_scales.k,
+                                          self.kv_scales.v)
         for group in meta.backend_data["groups"]:
             out[group.out_index] = self._attend(q, kv_cache, group, meta.block_size, sliding_window)
         return out
 
     def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.kernel.store_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, slots)
+        scales = self.scales_to_store(k, v)
+        self.kernel.store_kv(k, v, kv_cache, slots, scales.k, scales.v)

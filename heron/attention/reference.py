@@ -4,7 +4,8 @@ Exact against transformers (1e-4 in float32) and simple, which is why it stays a
 backends. Sequences with one query (decodes) form one group, the others (prefill chunks, verification
 queries) another, padded to the longest and masked causally per sequence; a sliding window narrows the
 mask to the last ``window`` positions. The gather copies every context each step: its cost grows with the
-batch's contexts, which a paged kernel avoids.
+batch's contexts, which a paged kernel avoids. A float8 pool is dequantized as it is gathered
+(``quantization/kv.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.attention.backend import AttentionBackend, AttentionMetadata
+from heron.quantization.kv import dequantize_kv, is_fp8, quantize_kv
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ReferenceBackend(AttentionBackend):
     """Gather + PyTorch SDPA over a ``[2, num_blocks, block_size, kv_heads, head_dim]`` pool per layer."""
 
     name = "reference"
+    supports_fp8_kv = True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -89,15 +92,19 @@ class ReferenceBackend(AttentionBackend):
         return out
 
     def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        scales = self.scales_to_store(k, v)
+        k, v = quantize_kv(k, kv_cache.dtype, scales.k), quantize_kv(v, kv_cache.dtype, scales.v)
         flat = kv_cache.flatten(1, 2)  # [2, slots, kv_heads, dim]
-        flat[0].index_copy_(0, slots, k.to(flat.dtype))
-        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+        if is_fp8(kv_cache.dtype):  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+            flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        flat[0].index_copy_(0, slots, k)
+        flat[1].index_copy_(0, slots, v)
 
     @staticmethod
-    def _gather(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _gather(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
         b, nb = table.shape
         ctx = cache[table].view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3])
-        return ctx.transpose(1, 2).to(dtype)  # [B, kv_heads, L, dim]
+        return dequantize_kv(ctx.transpose(1, 2), dtype, scale)  # [B, kv_heads, L, dim]
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, block_size: int,
                 window: int | None) -> torch.Tensor:
@@ -105,8 +112,8 @@ class ReferenceBackend(AttentionBackend):
             query = q.unsqueeze(2)  # [B, heads, 1, dim]
         else:
             query = q[group.query_index].transpose(1, 2)  # [B, heads, Q, dim]
-        key = self._gather(kv_cache[0], group.block_table, q.dtype)
-        value = self._gather(kv_cache[1], group.block_table, q.dtype)
+        key = self._gather(kv_cache[0], group.block_table, q.dtype, self.kv_scales.k)
+        value = self._gather(kv_cache[1], group.block_table, q.dtype, self.kv_scales.v)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=group.mask(block_size, window),
                                              enable_gqa=query.shape[1] != key.shape[1])
         out = out.transpose(1, 2)  # [B, Q, heads, dim]

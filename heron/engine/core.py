@@ -41,6 +41,8 @@ from heron.engine.request import Request, SeqStatus, Sequence
 from heron.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from heron.errors import ConfigError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from heron.model.loader import load_model
+from heron.quantization.kv import resolve_kv_cache_dtype
+from heron.quantization.summary import describe_weights
 from heron.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from heron.sampling_params import SamplingParams
 from heron.worker.model_runner import ModelRunner
@@ -72,6 +74,9 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        # an fp8 pool the backend cannot read is refused before the weights load
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, backend)
         loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.tokenizer,
                             config.chat_template, config.quantization)
         self.hf_config = loaded.hf_config
@@ -84,12 +89,12 @@ class EngineCore:
                               f"--max-model-len ({self.max_model_len}) without chunked prefill: a long prompt "
                               "could never be scheduled; raise it, lower --max-model-len or enable chunked prefill")
         self.runner = ModelRunner(loaded.model, config.block_size, self.device, config.max_num_seqs,
-                                  self.max_model_len, config.max_num_batched_tokens,
-                                  get_attention_backend(config.attention_backend, self.device))
+                                  self.max_model_len, config.max_num_batched_tokens, backend)
         num_blocks = self._num_blocks()
-        check_kv_capacity(num_blocks, config.block_size, self.max_model_len, self.runner.bytes_per_block(self.dtype))
+        check_kv_capacity(num_blocks, config.block_size, self.max_model_len,
+                          self.runner.bytes_per_block(self.kv_dtype), self.kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner.allocate_kv_cache(num_blocks, self.dtype)
+        self.runner.allocate_kv_cache(num_blocks, self.kv_dtype, config.calculate_kv_scales)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.proposer: Proposer | None = None
@@ -99,9 +104,10 @@ class EngineCore:
         self.counters = EngineStats()
         self.info = CoreInfo(config.served_model_name or config.model, self.max_model_len, self.vocab_size,
                              sorted(self.eos_token_ids), num_blocks, config.block_size)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max_model_len %d; %s, %s attention",
-                    num_blocks, config.block_size, num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20,
-                    self.max_model_len, str(self.dtype).removeprefix("torch."), self.runner.backend.name)
+        logger.info("%s; KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max_model_len %d; KV %s, %d-byte "
+                    "elements; %s, %s attention", describe_weights(loaded.model), num_blocks, config.block_size, num_blocks * config.block_size,
+                    self.runner.kv_cache_bytes / 2**20, self.max_model_len, str(self.kv_dtype).removeprefix("torch."),
+                    self.kv_dtype.itemsize, str(self.dtype).removeprefix("torch."), self.runner.backend.name)
 
     def _max_model_len(self, config: EngineConfig) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -112,7 +118,7 @@ class EngineCore:
         return config.max_model_len
 
     def _num_blocks(self) -> int:
-        per_block = self.runner.bytes_per_block(self.dtype)
+        per_block = self.runner.bytes_per_block(self.kv_dtype)
         peak = self._profile_activations() if self.device.type == "cuda" else 0
         budget = kv_cache_budget(self.config, self.device, peak)
         return num_kv_blocks(self.config, budget, per_block, self.max_model_len)
@@ -121,7 +127,7 @@ class EngineCore:
         """Peak activation memory of the largest step, measured with a throwaway KV pool (CUDA)."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // self.config.block_size)
-        self.runner.allocate_kv_cache(blocks, self.dtype)
+        self.runner.allocate_kv_cache(blocks, self.kv_dtype)  # no scales from the probe's dummy tokens
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()

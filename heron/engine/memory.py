@@ -82,17 +82,21 @@ def num_kv_blocks(config: EngineConfig, budget_bytes: int, bytes_per_block: int,
     return min(blocks, cap)
 
 
-def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, bytes_per_block: int) -> None:
+def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, bytes_per_block: int,
+                      kv_dtype: torch.dtype) -> None:
     """Refuse a pool that cannot hold one ``max_model_len`` sequence: such a sequence could never finish.
 
-    The message says what to change (as vLLM's does): more KV memory, or a shorter ``--max-model-len``.
+    The message says what to change (as vLLM's does): more KV memory, one-byte (fp8) KV elements where they are
+    wider, or a shorter ``--max-model-len``.
     """
     needed = -(-max_model_len // block_size)
     if num_blocks >= needed:
         return
     fits = num_blocks * block_size
+    fp8 = (f", --kv-cache-dtype fp8: {kv_dtype.itemsize}x the tokens of a {str(kv_dtype).removeprefix('torch.')} "
+           "pool" if kv_dtype.itemsize > 1 else "")
     raise ConfigError(
         f"the KV cache holds {fits} tokens ({num_blocks} blocks of {block_size}), but one sequence of "
         f"--max-model-len {max_model_len} needs {needed} blocks ({needed * bytes_per_block / 2**20:.1f} MiB): "
-        f"raise --kv-cache-memory (or --gpu-memory-utilization, --num-gpu-blocks-override), or lower "
+        f"raise --kv-cache-memory (or --gpu-memory-utilization, --num-gpu-blocks-override{fp8}), or lower "
         f"--max-model-len to at most {fits}")

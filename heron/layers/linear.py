@@ -20,27 +20,17 @@ class LinearBase(nn.Module):
         self.output_sizes = output_sizes
         self.output_size = sum(output_sizes)
         self.quant_method = quant_method or UnquantizedLinearMethod()
-        self.quant_method.create_weights(self, input_size, output_sizes, torch.get_default_dtype())
+        self.params_dtype = torch.get_default_dtype()  # the model dtype: activations arrive in it
+        self.quant_method.create_weights(self, input_size, output_sizes, self.params_dtype)
         self.bias = linear_parameter(torch.empty(self.output_size), output_dim=0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        """Copy a checkpoint tensor into ``param`` (casting to its dtype): all of it, or projection ``shard_id``'s
-        rows along its ``output_dim``, or that projection's slot when it has none."""
-        target = param.data
-        if shard_id is not None:
-            output_dim = getattr(param, "output_dim", None)
-            if output_dim is None:
-                target = target[shard_id]
-            else:
-                offset = sum(self.output_sizes[:shard_id])
-                target = target.narrow(output_dim, offset, self.output_sizes[shard_id])
-        if _squeezed(target.shape) != _squeezed(loaded.shape):
-            where = "parameter" if shard_id is None else f"shard {shard_id}"
-            raise ValueError(f"shape mismatch: {where} {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")
-        target.copy_(loaded.reshape(target.shape))
+        """Load a checkpoint tensor into ``param`` (all of it, or projection ``shard_id``'s part): the
+        quantization method's ``load``."""
+        self.quant_method.load(self, param, loaded, shard_id)
 
     def _apply(self, fn, recurse=True):
         # moving off the meta device (to_empty) replaces Parameter objects: keep the attributes set on them
@@ -49,11 +39,6 @@ class LinearBase(nn.Module):
         for name, param_attrs in attrs.items():
             vars(self._parameters[name]).update(param_attrs)
         return self
-
-
-def _squeezed(shape: torch.Size) -> list[int]:
-    """A shape without its size-1 axes: a scale stored as [] or [n] fits a parameter of [1] or [n, 1]."""
-    return [d for d in shape if d != 1]
 
 
 class Linear(LinearBase):

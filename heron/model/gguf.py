@@ -23,6 +23,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from heron.errors import ModelLoadError
+from heron.quantization.gguf import GGUFWeight
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -74,8 +75,10 @@ class _Header:
     tensors: dict[str, _TensorInfo] = field(default_factory=dict)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
-    """Read a GGUF file of a supported architecture, dequantizing every tensor to ``dtype``."""
+def load_gguf(path: str | Path, dtype: torch.dtype, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Read a GGUF file of a supported architecture, dequantizing every tensor to ``dtype``; with
+    ``keep_quantized`` the linear layers' weights stay in their blocks instead (``GGUFWeight``s, for
+    ``--quantization gguf``), a tied embedding also serving as a quantized LM head."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
@@ -92,7 +95,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype) -> GGUFCheckpoint:
     if _ROPE_FREQS in header.tensors:
         factors = torch.from_numpy(_dequantize(buf, header.tensors[_ROPE_FREQS]))
         config.rope_parameters = _llama3_rope(config, factors, path)
-    state_dict = _state_dict(buf, header, config, dtype)
+    state_dict = _state_dict(buf, header, config, dtype, keep_quantized)
+    if keep_quantized and config.tie_word_embeddings:
+        # the LM head reads the embedding's blocks; the embedding lookup keeps its dequantized copy
+        state_dict["lm_head.weight"] = _blocks(buf, header.tensors[TENSOR_NAMES[_M.TOKEN_EMBD] + ".weight"])
+        config.tie_word_embeddings = False
     return GGUFCheckpoint(config, state_dict, gguf_tokenizer(path))
 
 
@@ -258,8 +265,10 @@ def _llama3_rope(config: PretrainedConfig, factors: torch.Tensor, path: Path) ->
     return params
 
 
-def _state_dict(buf: mmap.mmap, header: _Header, config: PretrainedConfig, dtype: torch.dtype) -> dict:
-    """Every tensor dequantized, un-permuted and renamed to its HF parameter name."""
+def _state_dict(buf: mmap.mmap, header: _Header, config: PretrainedConfig, dtype: torch.dtype,
+                keep_quantized: bool) -> dict:
+    """Every tensor un-permuted and renamed to its HF parameter name: dequantized, or with ``keep_quantized``
+    the linear layers' weights in their blocks."""
     names = _hf_names(config.num_hidden_layers)
     processor = TENSOR_PROCESSORS.get(header.metadata["general.architecture"], TensorProcessor)(
         config={"num_attention_heads": config.num_attention_heads,
@@ -270,10 +279,27 @@ def _state_dict(buf: mmap.mmap, header: _Header, config: PretrainedConfig, dtype
             continue
         if name not in names:
             raise ModelLoadError(f"unexpected tensor {name} in the GGUF file of a {config.model_type} model")
+        hf_name = names[name]
+        if keep_quantized and _is_linear(hf_name):
+            blocks = _blocks(buf, info)  # rows hold whole blocks, so the row permutation applies to them as is
+            blocks.blocks = processor.process(weights=blocks.blocks, name=name).weights
+            state_dict[hf_name] = blocks
+            continue
         weights = _dequantize(buf, info).reshape(info.shape)
         weights = processor.process(weights=weights, name=name).weights  # llama.cpp permutes llama's q/k rows
-        state_dict[names[name]] = torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
+        state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
     return state_dict
+
+
+def _is_linear(hf_name: str) -> bool:
+    return hf_name.endswith(("_proj.weight", "lm_head.weight"))
+
+
+def _blocks(buf: mmap.mmap, info: _TensorInfo) -> GGUFWeight:
+    """The tensor's blocks, one row of the weight per row (a view of the file)."""
+    rows, cols = info.shape
+    data = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset).reshape(rows, -1)
+    return GGUFWeight(data, info.qtype, (rows, cols))
 
 
 def _hf_names(num_layers: int) -> dict[str, str]:

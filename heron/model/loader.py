@@ -146,9 +146,12 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, max_position
     if source.kind == "gguf":
         from heron.model.gguf import load_gguf
 
-        ckpt = load_gguf(source.path, dtype)
+        quantization = _gguf_quantization(quantization, device)
+        ckpt = load_gguf(source.path, dtype, keep_quantized=quantization == "gguf")
         hf_config, weights, tok = ckpt.config, iter(ckpt.state_dict.items()), ckpt.tokenizer
     else:
+        if quantization == "gguf":
+            raise ModelLoadError(f"--quantization gguf applies to GGUF files; {source.path} is a model directory")
         hf_config = _hf_config(source.path)
         generation_config = _generation_config(source.path)
         weights, tok = _safetensors_weights(source.path), None
@@ -179,6 +182,15 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, max_position
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s) in %.2fs", source.path, hf_config.architectures[0], seconds)
     return LoadedModel(model, hf_config, tok, eos, source, seconds)
+
+
+def _gguf_quantization(quantization: str | None, device: torch.device) -> str | None:
+    """A GGUF's blocks stay quantized by default on the CPU (heron's integer kernel reads them); on other
+    devices, and with ``--quantization none``, the file is dequantized at load (or requantized by another
+    method)."""
+    if quantization is None and device.type == "cpu":
+        return "gguf"
+    return None if quantization == "none" else quantization
 
 
 def _set_quantization(hf_config, quantization: str | None) -> None:

@@ -45,12 +45,32 @@ class QuantizationMethod(ABC):
                        params_dtype: torch.dtype) -> None:
         """Register the weight parameters of ``layer``, whose output is the row blocks ``output_sizes``."""
 
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        """Copy a checkpoint tensor into ``param`` (casting to its dtype): all of it, or projection ``shard_id``'s
+        rows along its ``output_dim``, or that projection's slot when it has none."""
+        target = param.data
+        if shard_id is not None:
+            output_dim = getattr(param, "output_dim", None)
+            if output_dim is None:
+                target = target[shard_id]
+            else:
+                offset = sum(layer.output_sizes[:shard_id])
+                target = target.narrow(output_dim, offset, layer.output_sizes[shard_id])
+        if _squeezed(target.shape) != _squeezed(loaded.shape):
+            where = "parameter" if shard_id is None else f"shard {shard_id}"
+            raise ValueError(f"shape mismatch: {where} {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")
+        target.copy_(loaded.reshape(target.shape))
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
         """Repack the loaded parameters for ``apply`` (transpose, fuse scales...); nothing by default."""
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias`` computed from ``layer``'s parameters."""
+
+    def describe(self, layer: nn.Module) -> str | None:
+        """The path ``layer``'s matmul takes, for the start log line (None: the dense default)."""
+        return None
 
 
 class UnquantizedLinearMethod(QuantizationMethod):
@@ -68,23 +88,44 @@ class UnquantizedLinearMethod(QuantizationMethod):
         layer.register_parameter("weight", linear_parameter(weight, output_dim=0))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Pack a bfloat16 CPU weight for oneDNN (``layer.onednn_weight``), where oneDNN is built in and the
-        second copy leaves a quarter of the machine's memory free (a large model keeps ``F.linear`` instead)."""
-        weight = layer.weight
-        if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and has_native_bf16()
-                and torch.backends.mkldnn.is_available()
-                and available_memory() - weight.nbytes > total_memory() // 4):
-            layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_PACK_ROWS)
+        """Pack a bfloat16 CPU weight for oneDNN (``layer.onednn_weight``) where ``onednn_packed`` allows."""
+        layer.onednn_weight = onednn_packed(layer.weight.detach())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias``: by heron's kernel for a few bfloat16 rows, oneDNN's packed weight for more."""
-        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
-            kernels = kernels_for(x)
-            if kernels is not None and has_native_bf16():
-                # torch's one-row bf16 kernels read the weight at about half the memory speed here
-                # (docs/performance.md): a small batch's decode step is mostly these products
-                return kernels.gemv_bf16(x, layer.weight, bias)
-        packed = getattr(layer, "onednn_weight", None)
-        if packed is not None and x.dtype == torch.bfloat16:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-        return F.linear(x, layer.weight, bias)
+        """``x W^T + bias`` from ``layer.weight`` (and its oneDNN copy): ``dense_linear``."""
+        return dense_linear(x, layer.weight, getattr(layer, "onednn_weight", None), bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` for a dense W: heron's kernel for a few bfloat16 rows, W's oneDNN copy (if any) for more."""
+    if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
+        kernels = kernels_for(x)
+        if kernels is not None and has_native_bf16():
+            # torch's one-row bf16 kernels read the weight at about half the memory speed here
+            # (docs/performance.md): a small batch's decode step is mostly these products
+            return kernels.gemv_bf16(x, weight, bias)
+    if onednn_weight is not None and x.dtype == torch.bfloat16:
+        return onednn_linear(x, onednn_weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _squeezed(shape: torch.Size) -> list[int]:
+    """A shape without its size-1 axes: a scale stored as [] or [n] fits a parameter of [1] or [n, 1]."""
+    return [d for d in shape if d != 1]
+
+
+def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] in oneDNN's blocked layout (``F.linear`` would reorder it on every call), for a
+    bfloat16 CPU weight where oneDNN is built in and the copy leaves a quarter of the machine's memory free
+    (a large model keeps ``F.linear`` instead); else None."""
+    if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and has_native_bf16()
+            and torch.backends.mkldnn.is_available()
+            and available_memory() - weight.nbytes > total_memory() // 4):
+        return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
+    return None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` with W packed by ``onednn_packed``; x bfloat16."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

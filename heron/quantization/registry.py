@@ -13,6 +13,12 @@ from heron.quantization.base import QuantizationMethod, UnquantizedLinearMethod
 QUANTIZATION_METHODS: dict[str, type[QuantizationMethod] | str] = {
     "none": UnquantizedLinearMethod,
     "gguf": "heron.quantization.gguf:GGUFLinearMethod",
+    "int8": "heron.quantization.int_weight:Int8LinearMethod",
+    "int4": "heron.quantization.int_weight:Int4LinearMethod",
+    "awq": "heron.quantization.awq_gptq:AWQLinearMethod",
+    "gptq": "heron.quantization.awq_gptq:GPTQLinearMethod",
+    "fp8": "heron.quantization.fp8:Fp8LinearMethod",
+    "compressed-tensors": "heron.quantization.fp8:CompressedTensorsLinearMethod",
 }
 
 

@@ -1,8 +1,9 @@
 """Runs one model forward per step over the flat batch a ``SchedulerOutput`` describes.
 
-The runner owns the model, the KV pool (one tensor per layer, laid out by the attention backend) and the
-persistent input batch; it returns the final hidden states of the rows whose logits are wanted, and turns
-hidden states into logits on request (so prompt logprobs can be computed a slice at a time).
+The runner owns the model, the KV pool (one tensor per layer, laid out by the attention backend, in the model's
+dtype or float8) and the persistent input batch; it returns the final hidden states of the rows whose logits
+are wanted, and turns hidden states into logits on request (so prompt logprobs can be computed a slice at a
+time).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from heron.attention.backend import AttentionBackend
 from heron.engine.scheduler import SchedulerOutput
+from heron.quantization.kv import is_fp8
 from heron.worker.input_batch import InputBatch
 
 
@@ -26,8 +28,6 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.layers = model.attention_layers()
-        for layer in self.layers:
-            layer.backend = self.backend
         self.num_kv_heads = self.layers[0].num_kv_heads
         self.head_dim = self.layers[0].head_dim
         self.max_blocks_per_seq = -(-max_model_len // block_size) + 1
@@ -36,16 +36,20 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time spent in the model forward, for overhead measurements
 
     def bytes_per_block(self, kv_dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=kv_dtype).element_size()
-        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """Bytes one block takes over all layers, keys and values, in a pool of ``kv_dtype``."""
+        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * kv_dtype.itemsize
 
-    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
-        """Allocate each layer's pool tensor once and hand it to the layer."""
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype, calculate_kv_scales: bool = False) -> None:
+        """Allocate each layer's pool tensor once and hand it to the layer, with the layer's own view of the
+        backend: a new pool starts with scales of 1.0, or (a float8 pool with ``calculate_kv_scales``) takes them
+        from the first batch each layer stores."""
         self.free_kv_cache()
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in self.layers]
+        calculate = calculate_kv_scales and is_fp8(kv_dtype)
         for layer, cache in zip(self.layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
+            layer.backend = self.backend.for_layer(calculate)
 
     def free_kv_cache(self) -> None:
         """Drop every reference to the pool (the runner's and the layers'), so its memory can be returned."""

@@ -4,11 +4,13 @@ sliding windows."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from heron.attention.backend import AttentionMetadata, get_attention_backend
+from heron.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -33,41 +35,64 @@ def dense_attention(q, k, v, window):
 STEP = [(12, 9), (7, 1), (30, 1), (17, 5), (0, 6), (21, 1), (5, 20)]
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window, dtype):
-    g = torch.Generator().manual_seed(0)
-    backend = get_attention_backend(backend_name)
-    num_blocks = 64
-    cache = torch.zeros(backend.kv_cache_shape(num_blocks, BLOCK, KV_HEADS, DIM), dtype=dtype)
-    free = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks: tables are not contiguous
-    tables, full_k, full_v = [], [], []
-    q_parts, k_parts, v_parts, slots, query_lens, context_lens = [], [], [], [], [], []
+@dataclass
+class MixedStep:
+    """One step of ``STEP`` whose cached contexts are already in the pool: the flat new queries, keys and values
+    with their metadata, and per sequence its queries and all of its keys and values."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    meta: AttentionMetadata
+    queries: list[torch.Tensor]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def dense(self, window: int | None, keys: list[torch.Tensor] | None = None,
+              values: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Dense attention per sequence in float32, over its keys and values or (a lossy pool) the given ones."""
+        return torch.cat([dense_attention(q.float(), k.float(), v.float(), window) for q, k, v in
+                          zip(self.queries, keys or self.keys, values or self.values, strict=True)])
+
+
+def mixed_step(backend: AttentionBackend, cache: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> MixedStep:
+    """Random queries, keys and values of ``dtype`` for ``STEP`` over scattered blocks of ``cache``; the cached
+    part of each context is stored through ``backend`` (as earlier steps would have)."""
+    g = torch.Generator().manual_seed(seed)
+    free = torch.randperm(cache.shape[1], generator=g).tolist()  # scattered blocks: tables are not contiguous
+    tables, queries, keys, values, slots = [], [], [], [], []
     for cached, new in STEP:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // BLOCK))]
         tables.append(table)
         k = torch.randn(total, KV_HEADS, DIM, generator=g).to(dtype)
         v = torch.randn(total, KV_HEADS, DIM, generator=g).to(dtype)
-        full_k.append(k)
-        full_v.append(v)
         earlier = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached)], dtype=torch.long)
-        backend.store_kv(cache, k[:cached], v[:cached], earlier)  # what earlier steps stored
-        q_parts.append(torch.randn(new, HEADS, DIM, generator=g).to(dtype))
-        k_parts.append(k[cached:])
-        v_parts.append(v[cached:])
+        backend.store_kv(cache, k[:cached], v[:cached], earlier)
+        queries.append(torch.randn(new, HEADS, DIM, generator=g).to(dtype))
+        keys.append(k)
+        values.append(v)
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
-        query_lens.append(new)
-        context_lens.append(total)
+    query_lens = [new for _, new in STEP]
+    context_lens = [cached + new for cached, new in STEP]
     width = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(starts, torch.tensor(context_lens, dtype=torch.int32), block_table,
                              torch.tensor(slots), query_lens, context_lens, BLOCK)
-    backend.prepare(meta)
-    out = backend.forward(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), cache, meta, window)
-    expected = torch.cat([dense_attention(q.float(), k.float(), v.float(), window)
-                          for q, k, v in zip(q_parts, full_k, full_v, strict=True)])
+    new_k = torch.cat([k[cached:] for k, (cached, _) in zip(keys, STEP, strict=True)])
+    new_v = torch.cat([v[cached:] for v, (cached, _) in zip(values, STEP, strict=True)])
+    return MixedStep(torch.cat(queries), new_k, new_v, meta, queries, keys, values)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window, dtype):
+    backend = get_attention_backend(backend_name)
+    cache = torch.zeros(backend.kv_cache_shape(64, BLOCK, KV_HEADS, DIM), dtype=dtype)
+    step = mixed_step(backend, cache, dtype)
+    backend.prepare(step.meta)
+    out = backend.forward(step.q, step.k, step.v, cache, step.meta, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 output rounding
-    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), step.dense(window), atol=tol, rtol=tol)

@@ -17,6 +17,8 @@ import yaml
 
 from heron.config import DEFAULT_MODEL, EngineConfig
 
+from ..server.conftest import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
@@ -118,6 +120,28 @@ def test_compose_service_mirrors_the_mission():
     assert {"HF_TOKEN", "HERON_API_KEY"} <= set(service["environment"])
     config, args = _serve_config([_expand(str(arg)) for arg in service["command"]])
     assert (config.model, config.max_model_len, args.port) == (DEFAULT_MODEL, 8192, 8000)
+    assert (config.quantization, config.kv_cache_dtype) == ("gguf", "fp8")  # the CPU form of the mission's
+
+
+def test_compose_cuda_override_runs_the_missions_fp8():
+    config, args = _serve_config([_expand(str(arg)) for arg in _service(COMPOSE, COMPOSE_CUDA)["command"]])
+    assert (config.model, config.device, args.port) == (DEFAULT_MODEL, "cuda", 8000)
+    assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
+
+
+@pytest.mark.smollm2
+def test_compose_cpu_command_starts_and_serves(smollm2_path, tmp_path):
+    """The compose service's own flags (model, quantization, KV dtype) start a server that answers (no docker
+    needed: the same `heron serve` arguments, on a free local port)."""
+    argv = [_expand(str(arg)) for arg in _service(COMPOSE)["command"]]
+    flags = [arg for i, arg in enumerate(argv) if arg not in ("--model", "--host", "--port")
+             and argv[i - 1] not in ("--model", "--host", "--port")]
+    with ServerProcess(DEFAULT_MODEL, *flags, log_path=tmp_path / "server.log") as server:
+        reply = server.client(timeout=120).completions.create(model=DEFAULT_MODEL, prompt="The capital of France is",
+                                                              max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens >= 1
+        log = server.log()
+    assert "KV float8_e4m3fn" in log and "Q4_1: int8-dot kernel" in log, log
 
 
 def test_compose_cuda_override_reserves_gpus():

@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import assert_no_leaks
 
 from heron import LLM, SamplingParams
 from heron.engine.core import PROMPT_LOGPROBS_SLICE
@@ -29,13 +30,6 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def run(llm: LLM, ps: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY):
     return llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-
-
-def assert_no_leaks(llm: LLM) -> None:
-    core = llm.engine.core
-    core.block_manager.check_invariants()
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
-    assert not core.scheduler.has_unfinished() and not core.requests
 
 
 def test_pool_smaller_than_one_sequence_is_refused_at_start(llama_dir):

@@ -140,8 +140,8 @@ def test_quantization_that_contradicts_the_checkpoint_or_is_unknown_is_refused(t
     quant_dir, float_dir = write_int8_checkpoint(tiny_model_dir("llama"), tmp_path)
     with pytest.raises(ModelLoadError, match="quantized with 'toy-int8'"):
         load_model(str(quant_dir), torch.float32, CPU, quantization="none")
-    with pytest.raises(ModelLoadError, match="'gptq' is not supported; supported: none"):
-        load_model(str(float_dir), torch.float32, CPU, quantization="gptq")
+    with pytest.raises(ModelLoadError, match="'int3' is not supported; supported: none"):
+        load_model(str(float_dir), torch.float32, CPU, quantization="int3")
 
 
 @pytest.mark.parametrize("extra", ["model.layers.0.self_attn.q_proj.weight_scale", "model.layers.1.mlp.odd.weight"])

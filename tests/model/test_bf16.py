@@ -22,8 +22,9 @@ def test_bf16_greedy_agrees_with_float32(smollm2_path):
     bounds leave room for other CPUs' bfloat16 kernels, and catch a broken bfloat16 path (near 0)."""
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    runs = {dtype: [o.outputs[0].token_ids for o in LLM(str(smollm2_path), dtype=dtype).chat(chats, params,
-                                                                                              use_tqdm=False)]
+    runs = {dtype: [o.outputs[0].token_ids
+                    for o in LLM(str(smollm2_path), dtype=dtype, quantization="none").chat(chats, params,
+                                                                                           use_tqdm=False)]
             for dtype in ("float32", "bfloat16")}
     prefixes = [common_prefix(a, b) for a, b in zip(runs["float32"], runs["bfloat16"], strict=True)]
     assert sum(prefixes) / (TOKENS * len(prefixes)) >= 0.5, prefixes

@@ -22,7 +22,7 @@ def test_gguf_gives_the_same_logits_as_safetensors(tiny_model_dir, tmp_path, arc
 @pytest.mark.smollm2
 def test_smollm2_greedy_chat_matches_transformers(smollm2_path):
     messages = [{"role": "user", "content": "Write a haiku about the sea."}]
-    llm = LLM(str(smollm2_path), dtype="float32")
+    llm = LLM(str(smollm2_path), dtype="float32", quantization="none")  # the dequantized weights transformers uses
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0]
     tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,

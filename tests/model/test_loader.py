@@ -73,9 +73,9 @@ def test_cli_unsupported_architecture(tiny_model_dir, tmp_path):
                           "FancyNetForCausalLM", "LlamaForCausalLM")
 
 
-def test_cli_unbuilt_flag_is_refused(tiny_model_dir):
+def test_cli_unknown_quantization_is_refused(tiny_model_dir):
     assert_one_line_error(heron_cli("generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hi",
-                                    "--quantization", "fp8"), "--quantization")
+                                    "--quantization", "int3"), "quantization method 'int3' is not supported")
 
 
 def test_cli_generate_streams_text(tiny_model_dir):

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from heron.errors import ConfigError
@@ -51,9 +52,19 @@ def build_dir() -> Path:
     return cache_dir() / f"build-{key}"
 
 
+def tool_binary(target: str) -> Path:
+    """Path of a built llama.cpp program (cmake target): ``llama-server``, ``llama-perplexity``, ..."""
+    return build_dir() / "bin" / target
+
+
 def server_binary() -> Path:
     """Path of the built ``llama-server``."""
-    return build_dir() / "bin" / "llama-server"
+    return tool_binary("llama-server")
+
+
+def perplexity_binary() -> Path:
+    """Path of the built ``llama-perplexity``."""
+    return tool_binary("llama-perplexity")
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -86,21 +97,22 @@ def fetch_sources(version: str | None = None) -> Path:
     return vendor
 
 
-def build(jobs: int | None = None, version: str | None = None, force: bool = False) -> Path:
-    """Build ``llama-server`` (CPU, this CPU's instruction sets without AMX) unless already built; return the
-    binary's path."""
-    binary = server_binary()
-    if binary.is_file() and not force:
-        return binary
+def build(jobs: int | None = None, version: str | None = None, force: bool = False,
+          targets: Sequence[str] = ("llama-server",)) -> Path:
+    """Build the cmake ``targets`` (default ``llama-server``; CPU, this CPU's instruction sets without AMX) unless
+    already built, all with the same flags into the same folder; return the first target's binary."""
+    binaries = [tool_binary(target) for target in targets]
+    if all(b.is_file() for b in binaries) and not force:
+        return binaries[0]
     if not shutil.which("cmake"):
         raise ConfigError("building llama-server needs cmake and a C++ compiler (apt-get install cmake g++)")
     vendor = fetch_sources(version)
     folder = build_dir()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     _run(["cmake", "-S", str(vendor), "-B", str(folder), *generator, *CMAKE_FLAGS, *isa_flags()], "cmake configure")
-    _run(["cmake", "--build", str(folder), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)],
-         "cmake build of llama-server")
-    return binary
+    _run(["cmake", "--build", str(folder), "--target", *targets, "-j", str(jobs or os.cpu_count() or 1)],
+         f"cmake build of {', '.join(targets)}")
+    return binaries[0]
 
 
 def server_command(gguf: Path, host: str, port: int, parallel: int, slot_ctx: int, threads: int | None,
@@ -109,6 +121,16 @@ def server_command(gguf: Path, host: str, port: int, parallel: int, slot_ctx: in
     cmd = [str(binary or server_binary()), "-m", str(gguf), "--host", host, "--port", str(port),
            "--parallel", str(parallel), "--cont-batching", "--ctx-size", str(parallel * slot_ctx),
            "--alias", alias, "--no-webui"]
+    return cmd + (["--threads", str(threads)] if threads else [])
+
+
+def perplexity_command(gguf: Path, text_file: Path, ctx: int, threads: int | None, binary: Path | None = None,
+                       chunks: int | None = None) -> list[str]:
+    """The ``llama-perplexity`` command line: ``text_file`` cut into chunks of ``ctx`` tokens (the first ``chunks``
+    of them if given), each evaluated from an empty cache, scoring the second half of each chunk (positions
+    ctx/2+1 .. ctx-1; the first half is context)."""
+    cmd = [str(binary or perplexity_binary()), "-m", str(gguf), "-f", str(text_file), "--ctx-size", str(ctx)]
+    cmd += ["--chunks", str(chunks)] if chunks else []
     return cmd + (["--threads", str(threads)] if threads else [])
 
 

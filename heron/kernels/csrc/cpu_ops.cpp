@@ -213,38 +213,89 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<tor
   return y;
 }
 
+namespace {
+
+// One row of keys or values into a float8 pool: x / scale in float32, saturated (float_rows.h). Divides, as the
+// PyTorch form (quantization/kv.py) does, so both store the same bytes.
+template <typename T, typename F8>
+void quantize_kv_row(const T* src, F8* dst, int64_t n, float scale, float* buf) {
+  load_row(src, buf, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buf[i] /= scale;
+  store_row(buf, dst, n);
+}
+
+}  // namespace
+
 // Writes this step's keys and values [T, KVH, D] (strided rows allowed) into slots of the paged pool
-// [2, NB, BS, KVH, D]; a negative slot skips the token.
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slots) {
+// [2, NB, BS, KVH, D]; a negative slot skips the token. A pool of k's dtype gets a copy; a float8 pool (an fp8
+// KV cache) gets k / k_scale and v / v_scale.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slots, double k_scale,
+              double v_scale) {
   check_cpu(kv_cache, "kv_cache");
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type() &&
+  const auto pool = kv_cache.scalar_type();
+  const bool quantize = pool != k.scalar_type() && (pool == at::kFloat8_e4m3fn || pool == at::kFloat8_e5m2);
+  TORCH_CHECK((quantize || pool == k.scalar_type()) && v.scalar_type() == k.scalar_type() &&
               kv_cache.is_contiguous() && slots.scalar_type() == at::kLong && k.stride(2) == 1 &&
               k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2), "store_kv: layouts");
   const int64_t T = k.size(0), row = k.size(1) * k.size(2);
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t elem = kv_cache.element_size();
-  char* key_base = static_cast<char*>(kv_cache.data_ptr());
-  char* value_base = key_base + num_slots * row * elem;
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    if (slot[t] < 0) continue;
-    TORCH_CHECK(slot[t] < num_slots, "store_kv: slot out of range");
-    std::memcpy(key_base + slot[t] * row * elem, kp + t * k.stride(0) * elem, row * elem);
-    std::memcpy(value_base + slot[t] * row * elem, vp + t * v.stride(0) * elem, row * elem);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] < num_slots, "store_kv: slot out of range");
+  if (!quantize) {
+    const int64_t elem = kv_cache.element_size();
+    char* key_base = static_cast<char*>(kv_cache.data_ptr());
+    char* value_base = key_base + num_slots * row * elem;
+    const char* kp = static_cast<const char*>(k.data_ptr());
+    const char* vp = static_cast<const char*>(v.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {
+      if (slot[t] < 0) continue;
+      std::memcpy(key_base + slot[t] * row * elem, kp + t * k.stride(0) * elem, row * elem);
+      std::memcpy(value_base + slot[t] * row * elem, vp + t * v.stride(0) * elem, row * elem);
+    }
+    return;
   }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    const auto write = [&](auto* keys) {  // keys: the pool's first half, values follow
+      auto* values = keys + num_slots * row;
+      // a long prefill chunk is thousands of rows, each converted element by element: split them over threads,
+      // but only past ~64K elements a thread (a decode batch's rows cost less than a parallel region)
+      at::parallel_for(0, T, std::max<int64_t>(1, (int64_t{1} << 16) / row), [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(row);
+        for (int64_t t = begin; t < end; ++t) {
+          if (slot[t] < 0) continue;
+          quantize_kv_row(kp + t * k.stride(0), keys + slot[t] * row, row, static_cast<float>(k_scale), buf.data());
+          quantize_kv_row(vp + t * v.stride(0), values + slot[t] * row, row, static_cast<float>(v_scale), buf.data());
+        }
+      });
+    };
+    if (pool == at::kFloat8_e4m3fn) {
+      write(kv_cache.data_ptr<c10::Float8_e4m3fn>());
+    } else {
+      write(kv_cache.data_ptr<c10::Float8_e5m2>());
+    }
+  });
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                               torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
-                              double scale, int64_t window);
+                              double scale, int64_t window, double k_scale, double v_scale);
+torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                         int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, fused with the residual add when given one");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place on q and k");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused gate/up projection");
   m.def("gemv_bf16", &gemv_bf16, "bfloat16 y = x W^T for a few rows, at memory speed");
-  m.def("store_kv", &store_kv, "write keys and values into their paged-pool slots");
-  m.def("paged_attention", &paged_attention, "paged attention reading K/V through the block table");
+  m.def("int_linear", &int_linear, "y = x W^T for a packed 4/8-bit W, int8 activations (AVX-512 VNNI)");
+  m.def("store_kv", &store_kv, "write keys and values into their paged-pool slots (quantized into a float8 pool)",
+        py::arg("k"), py::arg("v"), py::arg("kv_cache"), py::arg("slots"), py::arg("k_scale") = 1.0,
+        py::arg("v_scale") = 1.0);
+  m.def("paged_attention", &paged_attention, "paged attention reading K/V through the block table",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("query_begin"),
+        py::arg("query_end"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = 1.0,
+        py::arg("v_scale") = 1.0);
 }

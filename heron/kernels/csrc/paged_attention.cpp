@@ -3,6 +3,8 @@
 // queries per sequence (decode, speculative verification, prefill chunks over a cached prefix), GQA and
 // sliding windows. Work is split over (sequence, KV head) pairs, so each key/value row is read and converted
 // once for all the query heads that share it; cost grows with the positions each query attends.
+// The pool holds the queries' dtype, or float8 (an fp8 KV cache): stored keys are k / k_scale and values
+// v / v_scale, so k_scale is folded into the scaled query and v_scale into the output's normalization.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,11 +20,13 @@ namespace {
 
 using namespace heron;
 
-template <typename T>
-void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_table, const int32_t* seq_lens,
+// T: q's and the output's dtype; C: the pool's (T, or float8). scale: the softmax scale times k_scale, applied to
+// the query; v_scale: applied with the softmax's 1 / sum.
+template <typename T, typename C>
+void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_table, const int32_t* seq_lens,
             const int32_t* query_begin, const int32_t* query_end, T* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_width,
-            float scale, int64_t window) {
+            float scale, int64_t window, float v_scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_heads * head_dim;   // out: [T, H, D]; q's rows may be strided
   const int64_t slot_stride = num_kv_heads * head_dim;  // cache: [2, NB, BS, KVH, D]
@@ -90,7 +94,7 @@ void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_t
         }
         T* o = out + t * token_stride + kvh * group * D;
         for (int64_t g = 0; g < group; ++g) {
-          const float inv = 1.0f / denom[g];
+          const float inv = v_scale / denom[g];
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv;
           store_row(acc.data() + g * D, o + g * D, D);
@@ -102,21 +106,34 @@ void attend(const T* q, int64_t q_stride, const T* cache, const int32_t* block_t
 
 }  // namespace
 
-// q: [T, H, D] (rows may be strided); kv_cache: [2, NB, BS, KVH, D] (same dtype); block_table: [B, W] int32; seq_lens: [B] int32;
+// q: [T, H, D] (rows may be strided); kv_cache: [2, NB, BS, KVH, D] (q's dtype, or float8 holding k / k_scale
+// and v / v_scale); block_table: [B, W] int32; seq_lens: [B] int32;
 // query_begin, query_end: [B] int32, sequence b's queries are rows [begin, end) of q (an empty range skips it:
 // its rows of the result are left for another path). Returns [T, H, D].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                               torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
-                              double scale, int64_t window) {
+                              double scale, int64_t window, double k_scale, double v_scale) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && kv_cache.is_contiguous() &&
               block_table.is_contiguous(), "contiguous heads of q, a contiguous pool and block table");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and the KV cache must have one dtype");
+  const auto pool = kv_cache.scalar_type();
+  TORCH_CHECK(pool == q.scalar_type() || pool == at::kFloat8_e4m3fn || pool == at::kFloat8_e5m2,
+              "the KV cache must hold q's dtype or float8");
   auto out = torch::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), kv_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
-                     seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
-                     out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2),
-                     kv_cache.size(2), kv_cache.size(1), block_table.size(1), static_cast<float>(scale), window);
+    const auto run = [&](const auto* cache) {
+      attend(q.data_ptr<scalar_t>(), q.stride(0), cache, block_table.data_ptr<int32_t>(),
+             seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
+             out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2), kv_cache.size(2),
+             kv_cache.size(1), block_table.size(1), static_cast<float>(scale * k_scale), window,
+             static_cast<float>(v_scale));
+    };
+    if (pool == at::kFloat8_e4m3fn) {
+      run(kv_cache.data_ptr<c10::Float8_e4m3fn>());
+    } else if (pool == at::kFloat8_e5m2) {
+      run(kv_cache.data_ptr<c10::Float8_e5m2>());
+    } else {
+      run(kv_cache.data_ptr<scalar_t>());
+    }
   });
   return out;
 }
