@@ -130,7 +130,9 @@ def write_dequantized_model(model_dir: Path, out: Path, method: str) -> Path:
         config["tie_word_embeddings"] = False
         (out / "config.json").write_text(json.dumps(config))
     for name, w in tensors.items():
-        if name.endswith("_proj.weight") or name == "lm_head.weight":
+        if name == "lm_head.weight":  # int4's head is int8 (as llama.cpp keeps 4-bit models' output layer)
+            tensors[name] = quantize_int8(w, int8_group(w.shape[1])).dequantize()
+        elif name.endswith("_proj.weight"):
             tensors[name] = quantize(w, group(w.shape[1])).dequantize()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
@@ -143,7 +145,7 @@ def test_model_logits_equal_the_dequantized_float_model(tiny_model_dir, tmp_path
     float_dir = write_dequantized_model(model_dir, tmp_path / "dequantized", method)
     quantized = LLM(str(model_dir), block_size=8, dtype="float32", quantization=method)
     model = quantized.engine.core.runner.model
-    assert isinstance(model.lm_head.quant_method, METHODS[method][0]) and not hasattr(model.lm_head, "weight")
+    assert isinstance(model.lm_head.quant_method, Int8LinearMethod) and not hasattr(model.lm_head, "weight")
     embedding = load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"]
     assert torch.equal(model.embed_tokens.weight, embedding)  # the tied head's weight, still the embedding's
     reference = LLM(str(float_dir), block_size=8, dtype="float32")
@@ -173,12 +175,11 @@ def test_batched_greedy_equals_one_at_a_time(tiny_model_dir, method):
                                            "weight: minutes on a real model")
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_default_gguf_model_is_requantized_and_batches_like_one_at_a_time(smollm2_path, method):
-    # the GGUF is dequantized at load, then quantized again. float32 and no prefix cache: every prompt's
-    # prefill takes the dense path in the batch and alone, and decode rows are independent
+    # the GGUF is dequantized at load, then quantized again; rows are independent in the kernel
     llm = LLM(str(smollm2_path), dtype="float32", quantization=method, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     assert isinstance(model.layers[0].mlp.down_proj.quant_method, METHODS[method][0])
-    assert isinstance(model.lm_head.quant_method, METHODS[method][0])
+    assert isinstance(model.lm_head.quant_method, Int8LinearMethod)
     questions = ("What is the capital of France?", "Write a haiku about rivers.", "List three primes.")
     chats = [[{"role": "user", "content": text}] for text in questions]
     greedy = SamplingParams(temperature=0, max_tokens=16)
