@@ -105,8 +105,8 @@ class EngineCore:
         self.info = CoreInfo(config.served_model_name or config.model, self.max_model_len, self.vocab_size,
                              sorted(self.eos_token_ids), num_blocks, config.block_size)
         logger.info("%s; KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max_model_len %d; KV %s, %d-byte "
-                    "elements; %s, %s attention", describe_weights(loaded.model), num_blocks, config.block_size, num_blocks * config.block_size,
-                    self.runner.kv_cache_bytes / 2**20, self.max_model_len, str(self.kv_dtype).removeprefix("torch."),
+                    "elements; %s, %s attention", describe_weights(loaded.model), num_blocks, config.block_size,
+                    num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len, str(self.kv_dtype).removeprefix("torch."),
                     self.kv_dtype.itemsize, str(self.dtype).removeprefix("torch."), self.runner.backend.name)
 
     def _max_model_len(self, config: EngineConfig) -> int:

@@ -106,7 +106,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Ten
             # (docs/performance.md): a small batch's decode step is mostly these products
             return kernels.gemv_bf16(x, weight, bias)
     if onednn_weight is not None and x.dtype == torch.bfloat16:
-        return onednn_linear(x, onednn_weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn_weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -125,7 +125,3 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
     return None
 
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + bias`` with W packed by ``onednn_packed``; x bfloat16."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -8,8 +8,9 @@ The packed layout (``PackedInt``) is the one the kernel streams: 16 output rows 
 inputs per row in one 32-bit lane, so one AVX-512 VNNI instruction multiplies 16 rows x 4 inputs by 4 int8
 activations. 8-bit: ``qweight[N/16, K/4, 16, 4]``; 4-bit: ``qweight[N/16, K/8, 16, 4]`` whose byte j of a lane
 holds input j in its low nibble and input j+4 in its high nibble. Scales and mins are ``[N/16, K/group, 16]``
-(float16 where every value is exactly float16, else float32), the 16 rows of a group side by side. N is padded to 16 and K to the kernel's block (rows and inputs of
-zeros that add nothing). ``dequantize`` is the reference the kernel is tested against.
+(float16 where every value is exactly float16, else float32), the 16 rows of a group side by side. N is
+padded to 16 and K to the kernel's block (rows and inputs of zeros that add nothing). ``dequantize`` is the
+reference the kernel is tested against.
 """
 
 from __future__ import annotations
