@@ -205,6 +205,7 @@ def test_no_second_copy_for_onednn_when_it_would_leave_under_a_quarter_of_memory
     from heron.layers.linear import Linear
 
     layer = Linear(100, 77).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)  # Linear leaves it uninitialized (torch.empty): it could hold NaNs
     monkeypatch.setattr(base, "total_memory", lambda: 64 << 30)
     monkeypatch.setattr(base, "available_memory", lambda: 16 << 30)  # exactly a quarter free already
     layer.quant_method.process_weights_after_loading(layer)
