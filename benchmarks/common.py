@@ -29,8 +29,8 @@ def machine() -> dict:
 
 
 def save(name: str, result: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **result}, indent=2))
     print(f"wrote {path}")
     return path

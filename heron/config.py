@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from heron.errors import ConfigError
 from heron.pooling_params import PoolerConfig
+from heron.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -70,7 +71,10 @@ class EngineConfig:
     enforce_eager: bool = _flag("accepted for vLLM compatibility (heron always runs eagerly)", default=False)
     speculative_model: str | None = _flag("draft model for speculative decoding", default=None)
     num_speculative_tokens: int | None = _flag("tokens proposed per speculative step", default=None)
-    speculative_config: str | None = _flag("speculative decoding config as JSON", default=None)
+    speculative_config: str | dict | None = _flag(
+        'speculative decoding as JSON (vLLM\'s), e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\'; methods ngram, draft_model ("model": path), self_draft ("draft_layers": N)',
+        default=None)
     chat_template: str | None = _flag("Jinja chat template, or a file holding one", default=None)
     generation_config: str = _flag("sampling defaults for fields a request leaves out: auto (the model's "
                                    "generation_config.json, if any), vllm (ignore it), or a folder holding a "
@@ -113,10 +117,10 @@ class EngineConfig:
         if self.pooler_config is not None and self.runner != "pooling":
             raise ConfigError("--pooler-config applies to --runner pooling only")
         PoolerConfig.parse(self.pooler_config)  # raises ConfigError on a bad value
+        if self.speculative is not None and self.runner == "pooling":
+            raise ConfigError("speculative decoding applies to generation, not to --runner pooling")
         unbuilt = {
             "--tensor-parallel-size > 1": self.tensor_parallel_size != 1,
-            "--speculative-model / --speculative-config": bool(self.speculative_model or self.speculative_config),
-            "--num-speculative-tokens": self.num_speculative_tokens not in (None, 0),
         }
         for name, used in unbuilt.items():
             if used:
@@ -126,6 +130,11 @@ class EngineConfig:
     def pooler(self) -> PoolerConfig:
         """The parsed ``--pooler-config`` (the defaults when not given)."""
         return PoolerConfig.parse(self.pooler_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative-decoding settings (None: no speculation)."""
+        return SpeculativeConfig.parse(self.speculative_config, self.speculative_model, self.num_speculative_tokens)
 
     @property
     def kv_cache_bytes(self) -> int | None:

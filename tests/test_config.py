@@ -27,8 +27,9 @@ def test_flags_have_vllm_names_and_types():
 
 @pytest.mark.parametrize("argv, needle", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
-    (["--speculative-model", "draft"], "--speculative-model"),
-    (["--num-speculative-tokens", "4"], "--num-speculative-tokens"),
+    (["--speculative-model", "draft"], "--num-speculative-tokens"),
+    (["--num-speculative-tokens", "4"], "--speculative-model"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "num_speculative_tokens"),
     (["--block-size", "12"], "power of two"),
     (["--gpu-memory-utilization", "1.5"], "gpu-memory-utilization"),
     (["--kv-cache-memory", "lots"], "cannot parse size"),

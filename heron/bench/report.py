@@ -35,6 +35,15 @@ def format_run(run: dict, title: str = "Serving benchmark result") -> str:
     for lat in LATENCIES:
         lines.append(f"{f' {_NAMES[lat]} ':-^60}")
         lines += [f"{f'{stat.capitalize()} {lat.upper()} (ms)':<44}{s[lat + '_ms'][stat]:>16.2f}" for stat in STATS]
+    if "spec_decode_acceptance_rate" in s:
+        lines.append(f"{' Speculative decoding ':-^60}")
+        spec = [("Acceptance rate (%)", f"{100 * s['spec_decode_acceptance_rate']:.2f}"),
+                ("Mean acceptance length", f"{s['spec_decode_mean_acceptance_length']:.2f}"),
+                ("Drafts", s["spec_decode_num_drafts"])]
+        spec += [(label, s[key]) for label, key in (("Draft tokens", "spec_decode_num_draft_tokens"),
+                                                    ("Accepted tokens", "spec_decode_num_accepted_tokens"))
+                 if key in s]
+        lines += [f"{k:<44}{v:>16}" for k, v in spec]
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import numpy as np
@@ -14,6 +14,7 @@ from tqdm import tqdm
 from heron.bench.client import RequestConfig, RequestRecord, send_request
 from heron.bench.datasets import SampleRequest
 from heron.bench.metrics import summarize
+from heron.bench.server_metrics import scrape_spec_counters, spec_decode_summary
 from heron.errors import ConfigError
 
 
@@ -38,21 +39,25 @@ class LoadShape:
 
 @dataclass
 class RunResult:
-    """One run's records, wall time and the most requests it ever had in flight."""
+    """One run's records, wall time and the most requests it ever had in flight; ``spec_decode``: the server's
+    speculative-decoding acceptance over the run (``server_metrics.spec_decode_summary``; empty if unknown)."""
 
     shape: LoadShape
     records: list[RequestRecord]
     duration_s: float
     peak_in_flight: int
+    spec_decode: dict = field(default_factory=dict)
 
     def to_json(self, slos: dict[str, float] | None = None) -> dict:
-        """The run as stored in a result file: its load shape, summary and every per-request record."""
+        """The run as stored in a result file: its load shape, summary (with the spec-decode fields when the
+        server reported them) and every per-request record."""
         rate = self.shape.request_rate
+        summary = {**summarize(self.records, self.duration_s, slos), **self.spec_decode}
         return {"max_concurrency": self.shape.max_concurrency,
                 "request_rate": rate if math.isfinite(rate) else "inf",
                 "burstiness": self.shape.burstiness,
                 "peak_in_flight": self.peak_in_flight,
-                "summary": summarize(self.records, self.duration_s, slos),
+                "summary": summary,
                 "requests": [asdict(r) for r in self.records]}
 
 
@@ -92,7 +97,8 @@ def _session(limit: int | None) -> aiohttp.ClientSession:
 
 async def run_load(cfg: RequestConfig, requests: list[SampleRequest], shape: LoadShape, tokenizer=None,
                    progress: bool = True, desc: str = "benchmark") -> RunResult:
-    """Send ``requests`` following ``shape``; never more than ``shape.max_concurrency`` at once."""
+    """Send ``requests`` following ``shape``; never more than ``shape.max_concurrency`` at once. The server's
+    spec-decode counters (``/metrics``) are scraped just before and after, outside the timed window."""
     shape.validate()
     times = arrival_times(len(requests), shape.request_rate, shape.burstiness, shape.seed)
     limit = asyncio.Semaphore(shape.max_concurrency or len(requests) or 1)
@@ -110,6 +116,7 @@ async def run_load(cfg: RequestConfig, requests: list[SampleRequest], shape: Loa
                 bar.update(1)
 
     async with _session(shape.max_concurrency) as session:
+        counters_before = await scrape_spec_counters(session, cfg)
         start = time.perf_counter()
         tasks = []
         for req, at in zip(requests, times, strict=True):
@@ -119,8 +126,9 @@ async def run_load(cfg: RequestConfig, requests: list[SampleRequest], shape: Loa
             tasks.append(asyncio.create_task(one(session, req)))
         records = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
+        counters_after = await scrape_spec_counters(session, cfg) if counters_before is not None else None
     bar.close()
-    return RunResult(shape, records, duration, in_flight.peak)
+    return RunResult(shape, records, duration, in_flight.peak, spec_decode_summary(counters_before, counters_after))
 
 
 async def probe_server(cfg: RequestConfig) -> dict:

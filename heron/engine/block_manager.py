@@ -164,7 +164,8 @@ class BlockManager:
             for b in cached_blocks:
                 self._ref(b)
             seq.block_table, seq.block_chain = list(cached_blocks), list(chain)
-            seq.num_computed_tokens = first_new_pos
+            # a draft model's keys and values share the block ids: whoever computed these blocks computed both
+            seq.num_computed_tokens = seq.num_draft_computed = first_new_pos
             seq.table_reset = True
         first_new_pos = seq.num_computed_tokens
         needed = max(0, self.blocks_needed(first_new_pos + num_new_tokens) - len(seq.block_table))

@@ -1,10 +1,13 @@
 """The engine core: schedule, run the model, sample, append tokens, report deltas. Token ids only.
 
 ``EngineCore.step()`` never touches text or HTTP: the front end (``engine/processor.py``,
-``engine/output_processor.py``) tokenizes, detokenizes and checks stop strings. A step can append several tokens to a sequence: with draft tokens
-attached (``Proposer``), each of its k+1 verification rows is sampled and tokens are accepted while they
-equal the drafts (exact for greedy and for one-hot drafts such as n-gram's), checked for stops one by one,
-and the KV slots of rejected drafts are rolled back.
+``engine/output_processor.py``) tokenizes, detokenizes and checks stop strings. A step can append several
+tokens to a sequence (speculative decoding, ``heron/spec_decode``): with draft tokens attached (``Proposer``),
+its k+1 verification rows are scored in the same forward as everything else; drafts without a draft
+distribution are accepted while the target's own samples equal them (exact for greedy and for one-hot drafts
+such as n-gram's), drafts sampled from a draft model's q by rejection sampling. Accepted tokens are checked for
+stops one by one, and the KV slots of rejected drafts are rolled back. ``SpeculationPolicy`` picks each step's
+number of drafts from measured step times.
 
 A failure that belongs to one request (its sampling row, grammar or stop checks) ends that request with
 ``finish_reason="error"``; only a failure of the forward pass itself takes the core down.
@@ -45,6 +48,10 @@ from heron.quantization.kv import resolve_kv_cache_dtype
 from heron.quantization.summary import describe_weights
 from heron.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
 from heron.sampling_params import SamplingParams
+from heron.spec_decode.build import load_draft, make_proposer
+from heron.spec_decode.draft import Draft
+from heron.spec_decode.policy import SpeculationPolicy
+from heron.spec_decode.rejection_sampler import rejection_sample
 from heron.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -53,13 +60,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_SLICE = 256  # prompt positions turned into logits at once: bounds memory to slice x vocab
+CALIBRATION_MAX_TOKENS = 512  # largest step timed at start for the speculation cost model
 
 
 class Proposer(Protocol):
     """Proposes draft tokens for running sequences after each step (speculative decoding)."""
 
-    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
-        """Draft tokens by sequence id (sequences left out get none)."""
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> dict[int, list[int] | Draft]:
+        """At most ``limits[i]`` draft tokens for ``seqs[i]``, by sequence id (sequences left out get none)."""
 
 
 class SchedulerStalledError(RuntimeError):
@@ -90,14 +98,25 @@ class EngineCore:
                               "could never be scheduled; raise it, lower --max-model-len or enable chunked prefill")
         self.runner = ModelRunner(loaded.model, config.block_size, self.device, config.max_num_seqs,
                                   self.max_model_len, config.max_num_batched_tokens, backend)
+        spec = config.speculative
+        self.draft = spec and load_draft(spec, self.runner, config.model, self.vocab_size, self.dtype,
+                                         self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
+        self.policy = spec and SpeculationPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
+                                                 spec.min_acceptance_rate)
+        if self.policy:
+            self._calibrate(self.policy)
         num_blocks = self._num_blocks()
-        check_kv_capacity(num_blocks, config.block_size, self.max_model_len,
-                          self.runner.bytes_per_block(self.kv_dtype), self.kv_dtype)
+        check_kv_capacity(num_blocks, config.block_size, self.max_model_len, self._bytes_per_block(), self.kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.allocate_kv_cache(num_blocks, self.kv_dtype, config.calculate_kv_scales)
+        if self.draft and not self.draft.shares_target_kv:
+            self.draft.runner.allocate_kv_cache(num_blocks, self.kv_dtype, config.calculate_kv_scales)
+            # the draft's blocks have the target's ids: every copy-on-write copies both pools
+            self.runner.kv_caches.extend(self.draft.runner.kv_caches)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
-        self.proposer: Proposer | None = None
+        self.proposer: Proposer | None = spec and make_proposer(spec, self.draft, self.runner, self.sampler,
+                                                                self.block_manager)
         self.pooler_config = config.pooler
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarQueue(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -108,6 +127,13 @@ class EngineCore:
                     "elements; %s, %s attention", describe_weights(loaded.model), num_blocks, config.block_size,
                     num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len, str(self.kv_dtype).removeprefix("torch."),
                     self.kv_dtype.itemsize, str(self.dtype).removeprefix("torch."), self.runner.backend.name)
+        if spec:
+            logger.info("speculative decoding: %s, up to %d tokens per step, %s rejection sampling; %s",
+                        self.draft.description if self.draft else
+                        f"n-gram prompt lookup (n = {spec.prompt_lookup_min}..{spec.prompt_lookup_max})",
+                        spec.num_speculative_tokens, spec.rejection_sample_method,
+                        f"off from {spec.disable_by_batch_size} running sequences" if spec.disable_by_batch_size
+                        else "adaptive (cost model from measured step times)")
 
     def _max_model_len(self, config: EngineConfig) -> int:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
@@ -117,8 +143,13 @@ class EngineCore:
             raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's maximum of {model_max}")
         return config.max_model_len
 
+    def _bytes_per_block(self) -> int:
+        """Bytes of one block in every pool: the target's, and a draft model's of the same block ids."""
+        draft = self.draft.runner.bytes_per_block(self.kv_dtype) if self.draft and not self.draft.shares_target_kv else 0
+        return self.runner.bytes_per_block(self.kv_dtype) + draft
+
     def _num_blocks(self) -> int:
-        per_block = self.runner.bytes_per_block(self.kv_dtype)
+        per_block = self._bytes_per_block()
         peak = self._profile_activations() if self.device.type == "cuda" else 0
         budget = kv_cache_budget(self.config, self.device, peak)
         return num_kv_blocks(self.config, budget, per_block, self.max_model_len)
@@ -139,6 +170,21 @@ class EngineCore:
         self.runner.free_kv_cache()
         torch.cuda.empty_cache()
         return peak
+
+    def _calibrate(self, policy: SpeculationPolicy) -> None:
+        """Time steps of 1, 2, 4, ... tokens (logits for every one, as a verification step has) in a throwaway
+        pool, so the speculation cost model knows what a bigger step costs before it ever takes one."""
+        sizes = [2**i for i in range(CALIBRATION_MAX_TOKENS.bit_length())
+                 if 2**i <= min(CALIBRATION_MAX_TOKENS, self.config.max_num_batched_tokens, self.max_model_len)]
+        blocks = -(-sizes[-1] // self.config.block_size)
+        self.runner.allocate_kv_cache(blocks, self.kv_dtype)
+        for n in [1, *sizes]:  # the first step warms up
+            probe = ScheduledSeq(-1, [0] * n, 0, n, list(range(blocks)), True)
+            start = time.perf_counter()
+            self.runner.compute_logits(self.runner.execute(SchedulerOutput(seqs=[probe])))
+            policy.observe_step(n, time.perf_counter() - start)
+        self.runner.execute(SchedulerOutput(freed_seq_ids=[-1]))
+        self.runner.free_kv_cache()
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, wait_for_grammar: bool = False) -> bool:
@@ -189,7 +235,7 @@ class EngineCore:
             from heron.sampling.structured import GrammarState  # xgrammar loads only when a grammar is used
 
             grammars = [GrammarState(compiled) for _ in grammars]
-        seq = Sequence(req, 0, req.prompt_token_ids, self._generator(req.params, 0), grammars[0])
+        seq = Sequence(req, 0, req.prompt_token_ids, self._seed(req.params, 0), grammars[0])
         req.seqs.append(seq)
         req.pending_grammars = grammars[1:]
         self.requests[req.request_id] = req
@@ -229,11 +275,10 @@ class EngineCore:
             raise InvalidRequestError("bad_words reached the engine core untokenized", param="bad_words")
         params.verify_token_ids(self.vocab_size)
 
-    def _generator(self, params, index: int) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        # seed + index may leave the 64-bit range torch accepts: wrap it, as a seed is only a name for a stream
-        return torch.Generator(device=self.device).manual_seed((params.seed + index) % 2**64)
+    @staticmethod
+    def _seed(params, index: int) -> int | None:
+        """Sample ``index``'s seed: the request's seed + index (vLLM's), wrapped as a seed only names a stream."""
+        return None if params.seed is None else (params.seed + index) % 2**64
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests wherever they are and free their blocks now; the front end already knows."""
@@ -276,6 +321,7 @@ class EngineCore:
     # ---- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; returns the deltas of every sample that progressed or ended."""
+        start = time.perf_counter()
         sched, seqs = self.scheduler.schedule()
         if not sched.seqs:
             if self.scheduler.has_unfinished():
@@ -311,6 +357,9 @@ class EngineCore:
             offset += s.num_logits
         self._sample_and_append(hidden, sample_seqs, sample_rows)
         outputs = [out for req in touched.values() for out in self._outputs(req)]
+        if self.policy and sum(s.num_logits for s in sched.seqs) == sched.num_tokens:
+            # a decode/verification step (no prompt chunk): what the cost model compares
+            self.policy.observe_step(sched.num_tokens, time.perf_counter() - start)
         self._propose()
         return outputs
 
@@ -349,7 +398,7 @@ class EngineCore:
         self.block_manager.cache_full_blocks(seq)
         children = []
         for i, grammar in enumerate(req.pending_grammars, start=1):
-            child = seq.fork(i, self._generator(req.params, i), grammar)
+            child = seq.fork(i, self._seed(req.params, i), grammar)
             self.block_manager.fork(seq, child)
             self.scheduler.add_running(child)
             req.seqs.append(child)
@@ -358,24 +407,46 @@ class EngineCore:
         return children
 
     def _sample_and_append(self, hidden: torch.Tensor, seqs: list[Sequence], rows: list[range]) -> None:
+        """Sample each sequence's rows (its drafts' verification rows, then one more) and append what holds.
+        Drafts with a draft distribution go through rejection sampling, the others through the sampler."""
         if not seqs:
             return
         flat = [r for rr in rows for r in rr]
         logits = self.runner.compute_logits(hidden[flat])
-        sampling_rows = [SamplingRow(seq.params, seq.request.prompt_token_ids,
-                                     seq.output_view(seq.spec_token_ids[:j]), seq.generator, seq.grammar)
+        sampling_rows = [SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_view(seq.spec_token_ids[:j]),
+                                     seq.generator_for(len(seq) + j, logits.device), seq.grammar)
                          for seq, rr in zip(seqs, rows, strict=True) for j in range(len(rr))]
-        tokens, logprobs, failed = self._sample(logits, sampling_rows)
-        at = 0
-        for seq, rr in zip(seqs, rows, strict=True):
-            span = range(at, at + len(rr))
+        spans, at = [], 0
+        for rr in rows:
+            spans.append(range(at, at + len(rr)))
             at += len(rr)
+        plain = [i for i, (seq, span) in enumerate(zip(seqs, spans, strict=True)) if seq.spec_probs is None
+                 for i in span]
+        tokens, logprobs, failed = self._sample(logits[plain], [sampling_rows[i] for i in plain]) if plain \
+            else ([], [], {})
+        by_row = {i: j for j, i in enumerate(plain)}
+        for seq, span in zip(seqs, spans, strict=True):
             if seq.status == SeqStatus.FINISHED:
                 continue  # its request failed earlier in this loop
-            if any(i in failed for i in span):
-                self._fail(seq.request, failed[next(i for i in span if i in failed)])
-                continue
-            self._guard(seq.request, self._accept, seq, [tokens[i] for i in span], [logprobs[i] for i in span])
+            if seq.spec_probs is not None:
+                self._guard(seq.request, self._verify_sampled_drafts, seq, logits[span.start:span.stop],
+                            sampling_rows[span.start:span.stop])
+            elif any(by_row[i] in failed for i in span):
+                self._fail(seq.request, failed[next(by_row[i] for i in span if by_row[i] in failed)])
+            else:
+                self._guard(seq.request, self._accept, seq, [tokens[by_row[i]] for i in span],
+                            [logprobs[by_row[i]] for i in span])
+
+    def _verify_sampled_drafts(self, seq: Sequence, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Rejection-sample drafts drawn from a draft distribution against the target's, then append."""
+        p = self.sampler.distribution(logits, rows)
+        emitted = rejection_sample(p, seq.spec_probs.to(p.device), seq.spec_token_ids,
+                                   lambda j, salt: seq.generator_for(len(seq) + j, p.device, salt))
+        logprobs = [None] * len(emitted)
+        if seq.params.logprobs is not None:
+            targets = torch.tensor(emitted, device=logits.device)
+            logprobs = gather_logprobs(logits[:len(emitted)], targets, seq.params.logprobs)
+        self._accept(seq, emitted, logprobs)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]
                 ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, str]]:
@@ -406,12 +477,13 @@ class EngineCore:
             accepted += 1
             if seq.finish_reason is not None:
                 break
-        seq.spec_token_ids = []
-        self.counters.num_draft_tokens += len(drafts)
-        self.counters.num_accepted_tokens += accepted
+        seq.clear_drafts()
+        if drafts:
+            self._count_verification(seq, len(drafts), accepted)
         seq.num_computed_tokens = len(seq) - 1  # every token but the newest has its keys and values
-        if accepted < len(drafts):
-            self.block_manager.truncate(seq, len(seq))  # free the slots of the rejected drafts
+        seq.num_draft_computed = min(seq.num_draft_computed, len(seq) - 1)  # a draft's KV past that is stale
+        if len(seq.block_table) > self.block_manager.blocks_needed(len(seq)):
+            self.block_manager.truncate(seq, len(seq))  # free the slots of rejected (or unverified) drafts
         # hashed before a finish frees them too, so a request that ends at its first token (max_tokens=1)
         # still leaves its prompt's blocks in the prefix cache
         self.block_manager.cache_full_blocks(seq)
@@ -419,6 +491,20 @@ class EngineCore:
             self.scheduler.finish(seq)
             if seq.request.finished:
                 self._count_finished(seq.request)
+
+    def _count_verification(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += num_drafts
+        c.num_accepted_tokens += num_accepted
+        if len(c.accepted_per_position) < num_drafts:
+            c.accepted_per_position.extend([0] * (num_drafts - len(c.accepted_per_position)))
+        for i in range(num_accepted):
+            c.accepted_per_position[i] += 1
+        seq.num_drafts_verified += num_drafts
+        seq.num_drafts_accepted += num_accepted
+        if self.policy:
+            self.policy.observe_verification(num_drafts, num_accepted)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
         seq.token_ids.append(token)
@@ -484,21 +570,48 @@ class EngineCore:
         return outs
 
     def _propose(self) -> None:
-        """Attach the proposer's drafts to running decode sequences, within each one's remaining budget."""
+        """Attach drafts to running decode sequences: as many per sequence as the policy finds worth verifying
+        next step, within each one's remaining budget. Grammar-constrained requests decode plainly."""
         if self.proposer is None:
             return
-        decoding = [s for s in self.scheduler.running  # past the prompt: forks never inherit draft slots
-                    if s.is_prefill_done and s.num_computed_tokens == len(s) - 1 and s.grammar is None]
-        by_id = {s.seq_id: s for s in decoding}
-        for seq_id, drafts in self.proposer.propose(decoding).items():
-            seq = by_id.get(seq_id)
-            if seq is None:
+        # past the prompt (forks never inherit draft slots), and not still holding drafts a full step left out
+        decoding = [s for s in self.scheduler.running if s.is_prefill_done and s.num_computed_tokens == len(s) - 1
+                    and s.grammar is None and not s.spec_token_ids]
+        k = self._num_drafts(decoding)
+        if not k:
+            return
+        chosen, limits = [], []
+        for seq in decoding:
+            room = min(k, self.max_model_len - len(seq) - 1)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if room > 0 and (self.policy is None
+                             or self.policy.drafts_for(seq.num_drafts_verified, seq.num_drafts_accepted)):
+                chosen.append(seq)
+                limits.append(room)
+        if not chosen:
+            return
+        start = time.perf_counter()
+        proposals = self.proposer.propose(chosen, limits)
+        if self.policy:
+            self.policy.observe_drafting(len(chosen), max(limits), time.perf_counter() - start)
+        for seq, limit in zip(chosen, limits, strict=True):
+            draft = proposals.get(seq.seq_id)
+            if draft is None:
                 continue
-            p = seq.params
-            room = self.max_model_len - len(seq) - 1
-            if p.max_tokens is not None:
-                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-            seq.spec_token_ids = list(drafts[:max(0, room)])
+            if not isinstance(draft, Draft):
+                draft = Draft(list(draft))
+            seq.spec_token_ids = list(draft.token_ids[:limit])
+            seq.spec_probs = None if draft.probs is None or not seq.spec_token_ids else draft.probs[:limit]
+
+    def _num_drafts(self, decoding: list[Sequence]) -> int:
+        """Draft tokens per sequence for the next step: the policy's choice (no policy: as many as proposed)."""
+        if self.policy is None:
+            return self.max_model_len
+        # decodes and their drafts are scheduled before prompt chunks, which fill the rest of the budget
+        prefilling = sum(s.num_pending_tokens for s in self.scheduler.running if not s.is_prefill_done)
+        budget_left = self.config.max_num_batched_tokens - len(decoding)
+        return self.policy.choose(len(decoding), max(0, min(prefilling, budget_left)))
 
     # ---- stats --------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -126,6 +126,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     generation_tokens: int = 0
     max_running_seen: int = 0
+    num_drafts: int = 0  # speculative verifications (one per sequence and step with drafts)
     num_draft_tokens: int = 0  # speculative tokens verified
     num_accepted_tokens: int = 0  # of which accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at draft position i
     finished_by_reason: dict[str, int] = field(default_factory=dict)

@@ -3,7 +3,11 @@
 The core knows only token ids: text, stop strings and detokenization live in the front end. A sequence's
 ``token_ids`` hold the prompt and the accepted output; ``num_computed_tokens`` of them have keys and values in
 the pool. ``spec_token_ids`` are draft tokens to verify in the next step (computed after the last token, never
-counted as accepted until verified).
+counted as accepted until verified), with ``spec_probs``, the draft's distributions, when they were sampled
+from a draft model; ``num_draft_computed`` counts the positions a draft model has its own keys and values for.
+
+A seeded sample draws its randomness per position (``seed_for``), not from one stream: its tokens are then the
+same whatever its batch companions, and whether or not a step verified drafts.
 
 A pooling request (``pooling`` set) has the neutral ``SamplingParams()`` (one sample, no logprobs, no grammar),
 so the scheduler's questions about samples need no special case; it is never sampled and ends when its prompt
@@ -25,6 +29,20 @@ from heron.sampling.sampler import TokenLogprobs
 from heron.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: spreads every input bit over the 64 (torch's CPU generator keeps only 32)."""
+    x = (x + 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
+def seed_for(seed: int, position: int, salt: int = 0) -> int:
+    """The seed of one position's draw in a seeded sample; ``salt`` separates independent draws there (the
+    target's sample, a draft's sample, the acceptance test)."""
+    return _mix64(_mix64(_mix64(seed) ^ position) ^ salt)
 
 
 class SeqStatus(Enum):
@@ -102,7 +120,7 @@ class OutputTokens(Seq):
 class Sequence:
     """A token stream whose keys and values live in the pool blocks of ``block_table``."""
 
-    def __init__(self, request: Request, index: int, token_ids: list[int], generator: torch.Generator | None,
+    def __init__(self, request: Request, index: int, token_ids: list[int], seed: int | None,
                  grammar: Any = None) -> None:
         self.seq_id = next(_seq_counter)
         self.request = request
@@ -115,8 +133,12 @@ class Sequence:
         self.num_sent_blocks = 0  # table entries the runner already has
         self.block_chain: list[tuple[bytes, int]] = []  # (digest, serial) of each hashed full block
         self.spec_token_ids: list[int] = []
+        self.spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]: the draft's q, if sampled
+        self.num_draft_computed = 0  # positions a draft model holds keys and values for
+        self.num_drafts_verified = 0  # this sample's draft tokens verified so far, and accepted
+        self.num_drafts_accepted = 0
         self.status = SeqStatus.WAITING
-        self.generator = generator
+        self.seed = seed
         self.grammar = grammar
         self.num_sent_tokens = self.num_prompt_tokens  # output tokens already reported to the front end
         self.new_logprobs: list[TokenLogprobs] = []
@@ -157,13 +179,24 @@ class Sequence:
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
-    def fork(self, index: int, generator: torch.Generator | None, grammar: Any = None) -> Sequence:
+    def fork(self, index: int, seed: int | None, grammar: Any = None) -> Sequence:
         """A sibling with the same tokens so far; the block manager shares its blocks separately."""
-        child = Sequence(self.request, index, self.token_ids, generator, grammar)
+        child = Sequence(self.request, index, self.token_ids, seed, grammar)
         child.num_computed_tokens = self.num_computed_tokens
+        child.num_draft_computed = self.num_draft_computed
         child.block_chain = list(self.block_chain)
         child.status = self.status
         return child
+
+    def clear_drafts(self) -> None:
+        """Forget the drafts (verified, or not to be verified)."""
+        self.spec_token_ids, self.spec_probs = [], None
+
+    def generator_for(self, position: int, device: torch.device, salt: int = 0) -> torch.Generator | None:
+        """The random stream of the token sampled at ``position`` (None when unseeded: the global one)."""
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(seed_for(self.seed, position, salt))
 
     def take_new_tokens(self) -> list[int]:
         """Output tokens appended since the last call (what the next output carries)."""

@@ -95,7 +95,7 @@ class Scheduler:
                 continue  # preempted earlier in this step
             num_new = min(seq.num_pending_tokens, budget)
             if num_new < seq.num_pending_tokens and seq.spec_token_ids:
-                seq.spec_token_ids = []  # no room to verify drafts this step: decode plainly
+                seq.clear_drafts()  # no room to verify drafts this step: decode plainly
                 num_new = min(seq.num_pending_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = max(self.running, key=lambda s: s.sort_key)
@@ -157,8 +157,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
+        seq.num_computed_tokens = seq.num_draft_computed = 0
+        seq.clear_drafts()
         self.num_preemptions += 1
         self._freed.append(seq.seq_id)
         self._freed_by_preemption = True

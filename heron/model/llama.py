@@ -124,10 +124,12 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                layer_ids: list[int] | None = None) -> torch.Tensor:
+        """Final hidden states; ``layer_ids`` runs only those layers (then the final norm): a self-draft."""
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.prepare(positions, hidden.dtype)
-        for layer in self.layers:
+        for layer in self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]:
             hidden, residual = layer(rope, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -85,28 +85,58 @@ class Sampler:
                for r in rows):
             tokens = greedy(logits)
             return SamplerOutput(tokens.tolist(), self._logprobs(logits[want], tokens, rows, want))
+        logits, raw = self._process(logits, rows, want)
+        tokens = self._sample(logits, SamplingMetadata.from_rows(rows, logits.shape[1], logits.device))
+        return SamplerOutput(tokens.tolist(), self._logprobs(raw, tokens, rows, want))
+
+    def distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The float32 ``[rows, vocab]`` probabilities each row samples from: every step of ``__call__`` but the
+        draw (a greedy row's is one-hot on its argmax). Speculative decoding's p and q."""
+        logits = self.process(logits, rows)
+        meta = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device)
+        greedy_tokens = greedy(logits) if meta.any_greedy else None
+        if not meta.all_greedy:
+            self._warp(logits, meta)
+        probs = torch.softmax(logits, dim=-1)
+        if greedy_tokens is not None:
+            one_hot = torch.zeros_like(probs).scatter_(1, greedy_tokens.unsqueeze(1), 1.0)
+            probs = torch.where(meta.greedy.unsqueeze(1), one_hot, probs)
+        return probs
+
+    def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """A float32 copy of ``logits`` with the rows' grammar masks, token masks, biases and penalties applied."""
+        return self._process(logits, rows, [])[0]
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 want: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float32 copy of ``logits`` with grammar masks, token masks, biases and penalties applied, and the
+        rows ``want`` before them (logprobs come from the model's distribution)."""
         logits = logits.to(torch.float32, copy=True)
         if any(r.grammar is not None for r in rows):
             self._masker().apply(logits, [r.grammar for r in rows])
-        raw = logits[want]  # logprobs come from the model's distribution, before penalties and temperature
+        raw = logits[want]
         apply_allowed_token_ids(logits, rows)
         apply_bad_words(logits, rows)
         apply_min_tokens(logits, rows, self.eos_token_ids)
         apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
-        tokens = self._sample(logits, SamplingMetadata.from_rows(rows, logits.shape[1], logits.device))
-        return SamplerOutput(tokens.tolist(), self._logprobs(raw, tokens, rows, want))
+        return logits, raw
 
     @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy_tokens = greedy(logits) if meta.any_greedy else None
-        if meta.all_greedy:
-            return greedy_tokens
+    def _warp(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        """Temperature, min-p, top-k and top-p, in place (greedy rows are left neutral)."""
         logits.div_(meta.temperature.unsqueeze(1))
         if meta.min_p is not None:
             apply_min_p(logits, meta.min_p)
         if meta.top_k is not None or meta.top_p is not None:
             apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+
+    @classmethod
+    def _sample(cls, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy_tokens = greedy(logits) if meta.any_greedy else None
+        if meta.all_greedy:
+            return greedy_tokens
+        cls._warp(logits, meta)
         sampled = random_sample(logits, meta.generators)
         return sampled if greedy_tokens is None else torch.where(meta.greedy, greedy_tokens, sampled)
 

@@ -54,6 +54,25 @@ class _StatsCollector:
         for reason in sorted({"stop", "length", "abort", *s.finished_by_reason}):
             success.add_metric([self.model_name, reason], s.finished_by_reason.get(reason, 0))
         yield success
+        yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
+        """Speculative-decoding counters, named as vLLM v1's ``vllm:spec_decode_*`` (0 without speculation)."""
+        counters = {
+            "spec_decode_num_drafts": ("Number of spec decoding drafts (one per sequence and step with drafts)",
+                                       s.num_drafts),
+            "spec_decode_num_draft_tokens": ("Number of draft tokens", s.num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Number of accepted tokens", s.num_accepted_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            metric = CounterMetricFamily(f"heron:{name}", doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
+        per_pos = CounterMetricFamily("heron:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position", labels=["model_name", "position"])
+        for position, accepted in enumerate(s.accepted_per_position):
+            per_pos.add_metric([self.model_name, str(position)], accepted)
+        yield per_pos
 
 
 class ServerMetrics:

@@ -21,6 +21,13 @@ class FakeConfig:
     send_usage: bool = True
     faults: dict[int, str] = field(default_factory=dict)
     hang_s: float = 3.0
+    # /metrics: None serves none (404); "heron" or "vllm" serves that engine's spec-decode counters, which start
+    # at ``spec_initial`` drafts (earlier traffic) and grow by these amounts with each request served
+    metrics_prefix: str | None = None
+    spec_initial: int = 5
+    spec_drafts_per_request: int = 4
+    spec_k: int = 3  # draft tokens per draft
+    spec_accepted_per_request: int = 6
 
 
 class FakeOpenAIServer:
@@ -32,6 +39,8 @@ class FakeOpenAIServer:
         self.in_flight = 0
         self.peak_in_flight = 0
         self.bodies: list[dict] = []
+        k, start = self.config.spec_k, self.config.spec_initial
+        self.spec = {"num_drafts": start, "num_draft_tokens": start * k, "num_accepted_tokens": start}
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -57,6 +66,8 @@ class FakeOpenAIServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        if self.config.metrics_prefix:
+            app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -75,10 +86,27 @@ class FakeOpenAIServer:
         self.received += 1
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        cfg = self.config  # counted on arrival, so the counters are final before any response ends
+        self.spec["num_drafts"] += cfg.spec_drafts_per_request
+        self.spec["num_draft_tokens"] += cfg.spec_drafts_per_request * cfg.spec_k
+        self.spec["num_accepted_tokens"] += cfg.spec_accepted_per_request
         try:
-            return await self._respond(request, body, self.config.faults.get(n))
+            return await self._respond(request, body, cfg.faults.get(n))
         finally:
             self.in_flight -= 1
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """The spec-decode counters as vLLM v1 exposes them (``engine`` label; heron has none)."""
+        prefix = self.config.metrics_prefix
+        labels = 'engine="0",model_name="fake-model"' if prefix == "vllm" else 'model_name="fake-model"'
+        running = f"{prefix}:num_requests_running"
+        lines = [f"# HELP {running} Requests running", f"# TYPE {running} gauge",
+                 f"{running}{{{labels}}} {float(self.in_flight)}"]
+        for name, value in self.spec.items():
+            metric = f"{prefix}:spec_decode_{name}"
+            lines += [f"# HELP {metric}_total {name}", f"# TYPE {metric}_total counter",
+                      f"{metric}_total{{{labels}}} {float(value)}", f"{metric}_created{{{labels}}} 1.7e9"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _respond(self, request: web.Request, body: dict, fault: str | None) -> web.StreamResponse:
         cfg = self.config

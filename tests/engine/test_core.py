@@ -52,7 +52,7 @@ class OracleProposer:
         self.expected, self.k, self.wrong = expected, k, wrong
         self.calls = 0
 
-    def propose(self, seqs):
+    def propose(self, seqs, limits):
         drafts = {}
         for seq in seqs:
             full = self.expected[tuple(seq.request.prompt_token_ids)]

@@ -26,7 +26,7 @@ class RandomProposer:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
-    def propose(self, seqs):
+    def propose(self, seqs, limits):
         return {s.seq_id: [self.rng.randrange(3, 8) for _ in range(self.rng.randrange(0, 4))]
                 for s in seqs if self.rng.random() < 0.5}
 

@@ -28,7 +28,7 @@ def run_entrypoint(*flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("flags,expected", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size > 1 is not supported"),
-    (["--speculative-model", "draft"], "not supported"),
+    (["--speculative-model", "draft"], "needs num_speculative_tokens"),
     (["--block-size", "3"], "--block-size must be a positive power of two"),
 ])
 def test_unbuilt_or_invalid_flags_fail_at_start(flags, expected, capsys):
