@@ -592,7 +592,12 @@ class EngineCore:
         if not chosen:
             return
         start = time.perf_counter()
-        proposals = self.proposer.propose(chosen, limits)
+        try:
+            proposals = self.proposer.propose(chosen, limits)
+        except Exception:  # noqa: BLE001 - drafts are an optimization: decode plainly, keep serving
+            logger.exception("the %s proposer failed; these sequences decode without drafts this step",
+                             type(self.proposer).__name__)
+            return
         if self.policy:
             self.policy.observe_drafting(len(chosen), max(limits), time.perf_counter() - start)
         for seq, limit in zip(chosen, limits, strict=True):

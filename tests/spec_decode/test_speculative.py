@@ -235,3 +235,24 @@ def test_a_draft_with_another_vocabulary_is_refused(target_dir, tmp_path):
     with pytest.raises(ConfigError, match="vocabulary"):
         LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other),
                                                  "num_speculative_tokens": 2}, **BASE)
+
+
+def test_a_failing_proposer_costs_speed_not_requests(target_dir, draft_dir, monkeypatch):
+    prompts = mixed_prompts()
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = generate(LLM(str(target_dir), **BASE), prompts, params)
+    llm = spec_llm(target_dir, draft_dir, "draft_model")
+    proposer = llm.engine.core.proposer
+    real, calls = proposer.propose, []
+
+    def flaky(seqs, limits):
+        calls.append(len(seqs))
+        if len(calls) % 3 == 0:
+            raise RuntimeError("draft forward failed")
+        return real(seqs, limits)
+
+    monkeypatch.setattr(proposer, "propose", flaky)
+    spec = generate(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert len(calls) >= 3 and llm.engine.stats().num_drafts > 0
+    assert_no_leaks(llm)
