@@ -17,15 +17,15 @@ HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
 def dense_attention(q, k, v, window):
-    """Causal (optionally windowed) attention of the last ``len(q)`` positions over all ``len(k)``."""
+    """Causal (optionally windowed) attention of the last ``len(q)`` positions over all ``len(k)``, GQA."""
     n_q, n_k = q.shape[0], k.shape[0]
     q_pos = torch.arange(n_k - n_q, n_k).unsqueeze(1)
     k_pos = torch.arange(n_k).unsqueeze(0)
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
-    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
     return out.transpose(0, 1)
 

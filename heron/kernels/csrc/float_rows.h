@@ -115,10 +115,13 @@ inline void store_row(const float* src, T* dst, int64_t n) {
 }
 
 // e^x to float32 precision (relative error < 4e-7) in plain arithmetic, so a loop of it vectorizes:
-// 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r, |r| <= ln(2) / 2.
+// 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r, |r| <= ln(2) / 2. n is rounded by adding
+// 1.5 * 2^23 (its low bits then hold n), not by std::floor, which GCC 12 leaves scalar without -fno-trapping-math.
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
+  constexpr float kRound = 12582912.0f;
+  const float t = x * 1.44269504f + kRound;
+  const float n = t - kRound;
   const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
   float p = 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -127,7 +130,7 @@ inline float exp_approx(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  return p * float_of(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return p * float_of((bits_of(t) - bits_of(kRound) + 127u) << 23);
 }
 
 }  // namespace heron
