@@ -141,7 +141,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--requests-c1", type=int, default=4, help="requests sent one after another at c=1")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
-    parser.add_argument("--engine-args", default="{}", help="more LLM(...) arguments as JSON")
+    parser.add_argument("--engine-args", default='{"enable_prefix_caching": false}',
+                        help="LLM(...) arguments as JSON (default: no prefix caching, so every repeat computes its prompts)")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
     args.engine = json.loads(args.engine_args)

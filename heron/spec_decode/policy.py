@@ -4,7 +4,7 @@ Speculation pays when the tokens a step yields grow faster than its time. For ``
 drafts each, a step verifies ``B (k + 1)`` tokens and yields ``B E(k)`` of them, where ``E(k) = 1 + r_1 +
 r_1 r_2 + ...`` from the measured acceptance rate ``r_i`` of draft position i; it costs ``T(B (k + 1) + other)``
 (the step time at that many tokens, measured) plus drafting (measured per draft step and batch size). Each step
-takes the ``k`` in ``0..K`` with the best tokens per second, so under light load a single stream speculates
+takes the ``k`` in ``0..K`` with the best tokens per second (a k > 0 must promise 10% more than plain decoding), so under light load a single stream speculates
 fully and under heavy load, where a step's time grows with its tokens, speculation turns itself off. vLLM's
 ``disable_by_batch_size``, when given, replaces the cost model: ``K`` drafts below that many running
 sequences, none from there. A request whose own acceptance rate stays below
@@ -17,6 +17,9 @@ import math
 
 _EMA = 0.2  # weight of a new measurement
 _MIN_VERIFIED = 16  # drafts a request must have had verified before its acceptance rate can stop it
+# expected gain a step must show before it speculates: the cost model sees step times only, not the
+# proposing, acceptance and output work around them, so a marginal gain on paper is a loss in practice
+_MIN_GAIN = 1.1
 
 
 class StepTimes:
@@ -91,7 +94,8 @@ class SpeculationPolicy:
             return self.max_tokens if num_decoding < self.disable_by_batch_size else 0
         if not self.step_times:
             return self.max_tokens  # nothing measured yet: speculate, and measure
-        best_k, best_rate = 0, num_decoding / max(self.step_times.estimate(num_decoding + other_tokens), 1e-9)
+        best_k, best_rate = 0, _MIN_GAIN * num_decoding / max(self.step_times.estimate(num_decoding + other_tokens),
+                                                              1e-9)
         expected, survive = 1.0, 1.0
         for k, rate in enumerate(self.acceptance_rates(), start=1):
             survive *= rate

@@ -132,3 +132,83 @@ def test_a_sequence_without_queries_is_skipped():
     k = pool[0].reshape(-1, 3, 64)[:20]
     v = pool[1].reshape(-1, 3, 64)[:20]
     torch.testing.assert_close(out[:1], dense_attention(q[:1], k, v, None), atol=1e-5, rtol=1e-5)
+
+
+def run_kernel(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 16) -> list[torch.Tensor]:
+    """The kernel's output for each sequence's (keys, values, queries of its last positions), blocks scattered."""
+    kv_heads, dim = seqs[0][0].shape[1:]
+    num_blocks = sum(-(-len(k) // block) for k, _, _ in seqs)
+    pool = torch.zeros(2, num_blocks, block, kv_heads, dim, dtype=seqs[0][0].dtype)
+    free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(len(seqs))).tolist()
+    tables = []
+    for k, v, _ in seqs:
+        tables.append([free.pop() for _ in range(-(-len(k) // block))])
+        slots = torch.tensor([tables[-1][p // block] * block + p % block for p in range(len(k))])
+        pool[0].view(-1, kv_heads, dim)[slots] = k
+        pool[1].view(-1, kv_heads, dim)[slots] = v
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor([len(k) for k, _, _ in seqs], dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor([len(q) for _, _, q in seqs]).cumsum(0).tolist()], dtype=torch.int32)
+    out = cpu_kernels().paged_attention(torch.cat([q for _, _, q in seqs]), pool, table, lens, starts[:-1],
+                                        starts[1:], dim**-0.5, 0, 1.0, 1.0)
+    return list(out.split([len(q) for _, _, q in seqs]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_query_row_is_bitwise_the_same_whatever_else_the_step_holds(threads, dtype):
+    """Batch invariance, which speculative decoding's identical greedy output rests on: each query of a
+    verification step (8 queries of one sequence, alone or beside other sequences) equals, bit for bit, the same
+    query decoded alone at its position."""
+    g = torch.Generator().manual_seed(5)
+
+    def data(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(torch.randn(length, heads, 64, generator=g).to(dtype) for heads in (3, 3, 9))
+
+    k, v, q = data(300)
+    decodes = [run_kernel([(k[:p + 1], v[:p + 1], q[p:p + 1])])[0] for p in range(292, 300)]
+    verify = run_kernel([(k, v, q[292:])])[0]
+    others = [data(n) for n in (41, 130, 17)]
+    in_batch = run_kernel([(a, b, c[-3:]) for a, b, c in others[:1]] + [(k, v, q[292:])]
+                          + [(a, b, c[-n:]) for (a, b, c), n in zip(others[1:], (1, 16), strict=True)])[1]
+    assert torch.equal(torch.cat(decodes), verify)
+    assert torch.equal(in_batch, verify)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 37], ids=["no_window", "window37"])
+def test_a_query_row_is_bitwise_the_same_across_threads_windows_and_prefill_chunks(window):
+    """The same invariance under a sliding window, at any thread count (1: whole units; more: a few units' chunks
+    spread over threads), and for a prefill chunk's queries (several units of them) or a batch of decodes, each
+    against the query decoded alone on one thread."""
+    g = torch.Generator().manual_seed(7)
+    length, block = 200, 16
+    k, v, q = (torch.randn(length, heads, 64, generator=g).to(torch.bfloat16) for heads in (3, 3, 9))
+    num_blocks = -(-length // block)
+    table = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    pool = torch.zeros(2, num_blocks, block, 3, 64, dtype=torch.bfloat16)
+    slots = table.long()[torch.arange(length) // block] * block + torch.arange(length) % block
+    pool[0].view(-1, 3, 64)[slots] = k
+    pool[1].view(-1, 3, 64)[slots] = v
+
+    def run(steps: list[tuple[int, int]], threads: int) -> list[torch.Tensor]:
+        """(sequence length, new queries) per sequence, all of them over the same blocks."""
+        lens = torch.tensor([n for n, _ in steps], dtype=torch.int32)
+        starts = torch.tensor([0, *torch.tensor([m for _, m in steps]).cumsum(0).tolist()], dtype=torch.int32)
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = cpu_kernels().paged_attention(torch.cat([q[n - m:n] for n, m in steps]), pool,
+                                                table.repeat(len(steps), 1), lens, starts[:-1], starts[1:],
+                                                0.125, window or 0, 1.0, 1.0)
+        finally:
+            torch.set_num_threads(old)
+        return list(out.split([m for _, m in steps]))
+
+    alone = torch.cat([run([(p + 1, 1)], 1)[0] for p in range(150, length)])
+    for threads in (1, 2, 3):
+        assert torch.equal(torch.cat(run([(p + 1, 1) for p in range(150, length)], threads)), alone)
+        assert torch.equal(run([(length, 50)], threads)[0], alone)
+        assert torch.equal(run([(30, 7), (length, 50), (170, 3)], threads)[1], alone)
+        assert torch.equal(run([(length - 40, 10), (length, 40)], threads)[1], alone[10:])
