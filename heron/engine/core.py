@@ -128,10 +128,12 @@ class EngineCore:
                     num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len, str(self.kv_dtype).removeprefix("torch."),
                     self.kv_dtype.itemsize, str(self.dtype).removeprefix("torch."), self.runner.backend.name)
         if spec:
-            logger.info("speculative decoding: %s, up to %d tokens per step, %s rejection sampling; %s",
+            logger.info("speculative decoding: %s, up to %d tokens per step, %s; %s",
                         self.draft.description if self.draft else
                         f"n-gram prompt lookup (n = {spec.prompt_lookup_min}..{spec.prompt_lookup_max})",
-                        spec.num_speculative_tokens, spec.rejection_sample_method,
+                        spec.num_speculative_tokens,
+                        f"{spec.rejection_sample_method} rejection sampling" if self.draft
+                        else "drafts accepted while they equal the target's samples",
                         f"off from {spec.disable_by_batch_size} running sequences" if spec.disable_by_batch_size
                         else "adaptive (cost model from measured step times)")
 
