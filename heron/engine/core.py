@@ -424,8 +424,10 @@ class EngineCore:
             at += len(rr)
         plain = [i for i, (seq, span) in enumerate(zip(seqs, spans, strict=True)) if seq.spec_probs is None
                  for i in span]
-        tokens, logprobs, failed = self._sample(logits[plain], [sampling_rows[i] for i in plain]) if plain \
-            else ([], [], {})
+        everything = len(plain) == len(sampling_rows)  # no rejection sampling this step: no copy of the logits
+        tokens, logprobs, failed = self._sample(logits if everything else logits[plain],
+                                                sampling_rows if everything else [sampling_rows[i] for i in plain]) \
+            if plain else ([], [], {})
         by_row = {i: j for j, i in enumerate(plain)}
         for seq, span in zip(seqs, spans, strict=True):
             if seq.status == SeqStatus.FINISHED:
