@@ -1,8 +1,29 @@
-// Paged attention for the CPU: each query reads its sequence's keys and values in place through the block
-// table (no gather into a new tensor), with a block-wise online softmax in float32. Covers any number of
-// queries per sequence (decode, speculative verification, prefill chunks over a cached prefix), GQA and
-// sliding windows. Work is split over (sequence, KV head) pairs, so each key/value row is read and converted
-// once for all the query heads that share it; cost grows with the positions each query attends.
+// Paged attention for the CPU: queries read their sequence's keys and values in place through the block table
+// (no gather into a new tensor), with an online softmax in float32. Covers any number of queries per sequence
+// (decode, speculative verification, prefill chunks over a cached prefix), GQA and sliding windows.
+//
+// A unit of work is one sequence's queries (up to kUnitQueries of them) under one KV head. Its rows are the
+// (query, query head of the group) pairs, in position order; it walks the context once, kTile positions at a
+// time, each tile's keys and values read and converted to float32 once for all of its rows, and every row keeps
+// its own online-softmax state (running max, denominator, accumulator) over the positions it attends: query i
+// of a sequence's n sits at position seq_len - n + i and attends positions <= its own (causal among the new
+// tokens too), from pos - window + 1 on under a sliding window.
+// A tile's scores are a small matrix product, vectorized over the rows of a row-vector (a key's element broadcast
+// against 4, 8 or 16 queries: no horizontal sums, eight keys' sums in registers).
+//
+// Batch invariance: a row's output is the same, bit for bit, whatever else the step holds (one query of a decode,
+// one of a verification step's, beside other sequences) and whatever the thread count, which speculative
+// decoding's identical greedy output rests on. So every row's arithmetic depends on its own position only:
+// - each (row, key) score is one sum over the head dim in order, whatever the row-vector's width (lanes are
+//   independent);
+// - tiles start at multiples of kTile, and a tile that holds none of a row's positions leaves its state
+//   untouched (its correction is exactly 1 where the max stays, its sum exactly 0);
+// - the context is cut into chunks at multiples of kChunk positions, each with its own state, and a row's chunk
+//   states are merged one by one in position order by one function (merge_state), whether one thread takes a
+//   unit's chunks in turn or, where the units are few for the threads (a single sequence's decode or
+//   verification step), several threads take them (flash-decoding) and the unit's last one merges; threads take
+//   the work items dynamically, which decides only who computes what.
+// Head dims 64 and 128 are compiled in; the next tile's rows are prefetched while a tile is computed.
 // The pool holds the queries' dtype, or float8 (an fp8 KV cache): stored keys are k / k_scale and values
 // v / v_scale, so k_scale is folded into the scaled query and v_scale into the output's normalization.
 #include <torch/extension.h>
@@ -11,95 +32,410 @@
 #include "float_rows.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace heron;
 
-// T: q's and the output's dtype; C: the pool's (T, or float8). scale: the softmax scale times k_scale, applied to
-// the query; v_scale: applied with the softmax's 1 / sum.
-template <typename T, typename C>
+constexpr int64_t kTile = 16;         // context positions per tile (tiles start at multiples of kTile)
+constexpr int64_t kLanes = 16;        // rows of a row-vector
+constexpr int64_t kChunk = 4 * kTile;  // context positions per chunk (chunks start at multiples of kChunk)
+constexpr int64_t kUnitQueries = 16;  // a sequence's queries in one unit (more: several units)
+constexpr int64_t kPartsPerThread = 2;  // a split context: about this many items per thread, to even them out
+constexpr float kNoMax = -std::numeric_limits<float>::max();  // running max before any position: e^(kNoMax - m) = 0
+
+struct Unit {
+  int64_t b, kvh;              // sequence, KV head
+  int64_t q0, q1;              // its queries: rows [q0, q1) of q
+  int64_t num_q, seq_len;      // the sequence's: query i of num_q sits at position seq_len - num_q + i
+  int64_t key_begin, key_end;  // the positions its queries attend, together
+  int64_t chunk0, chunk1;      // the chunks they lie in: [chunk0, chunk1)
+  int64_t parts;               // > 1: its chunks spread over several items, their states merged at the end
+  int64_t partial;             // where its chunks' states start in the partial buffer
+};
+
+struct Item {  // what one thread takes at a time: a unit's chunks [chunk0, chunk1)
+  int64_t unit, chunk0, chunk1;
+};
+
+// One thread's float32 working memory (qf: the rows' scaled queries, [rows][D]; qt: transposed per row-vector,
+// [vectors][D][kLanes]; keys, values: a tile's, [kTile][D]; scores: [kTile][kLanes]; max, denom, acc: the rows'
+// state over the current chunk; merged_*: over the chunks so far).
+struct Scratch {
+  std::vector<float> keys, values, qf, qt, acc, max, denom, scores, row, merged_max, merged_denom, merged_acc;
+  std::vector<int32_t> pos, first;
+};
+
+// W floats, for the loops whose sums must stay in registers: GCC and Clang's vector extension (lowered to whatever
+// vector width the target has). Other compilers get a plain array.
+#if defined(__GNUC__)
+template <int64_t W>
+struct LanesOf {
+  typedef float type __attribute__((vector_size(W * sizeof(float))));
+};
+#else
+template <int64_t W>
+struct LanesOf {
+  struct type {
+    float v[W] = {};
+    type& operator+=(const type& o) {
+      for (int64_t i = 0; i < W; ++i) v[i] += o.v[i];
+      return *this;
+    }
+    friend type operator*(type a, float s) {
+      for (int64_t i = 0; i < W; ++i) a.v[i] *= s;
+      return a;
+    }
+  };
+};
+#endif
+template <int64_t W>
+inline typename LanesOf<W>::type load_lanes(const float* p) {
+  typename LanesOf<W>::type x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+template <int64_t W>
+inline void store_lanes(float* p, const typename LanesOf<W>::type& x) { std::memcpy(p, &x, sizeof(x)); }
+
+// A tile's scores for the first W rows of a row-vector: s[r * kLanes + l] = q_l . key_r, vectorized over W rows,
+// eight keys at a time (eight independent sums). qt: the rows' queries, transposed ([D][kLanes]); keys: [kTile][D].
+// Every (row, key) score is the same sum whatever W (lanes are independent, each summed over d = 0, 1, ... in
+// order): a row's score does not depend on how many rows share its row-vector. W only trims the padding work.
+template <int64_t DC, int64_t W>
+inline void tile_scores(const float* __restrict qt, const float* __restrict keys, float* __restrict s,
+                        int64_t head_dim) {
+  using Lanes = typename LanesOf<W>::type;
+  const int64_t D = DC > 0 ? DC : head_dim;
+  for (int64_t r = 0; r < kTile; r += 8) {
+    Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+    const float* k = keys + r * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const Lanes qd = load_lanes<W>(qt + d * kLanes);
+      a0 += qd * k[d];
+      a1 += qd * k[D + d];
+      a2 += qd * k[2 * D + d];
+      a3 += qd * k[3 * D + d];
+      a4 += qd * k[4 * D + d];
+      a5 += qd * k[5 * D + d];
+      a6 += qd * k[6 * D + d];
+      a7 += qd * k[7 * D + d];
+    }
+    store_lanes<W>(s + r * kLanes, a0);
+    store_lanes<W>(s + (r + 1) * kLanes, a1);
+    store_lanes<W>(s + (r + 2) * kLanes, a2);
+    store_lanes<W>(s + (r + 3) * kLanes, a3);
+    store_lanes<W>(s + (r + 4) * kLanes, a4);
+    store_lanes<W>(s + (r + 5) * kLanes, a5);
+    store_lanes<W>(s + (r + 6) * kLanes, a6);
+    store_lanes<W>(s + (r + 7) * kLanes, a7);
+  }
+}
+
+// A row's accumulator: acc = acc * correction + sum over keys [r0, r1) of the tile, in order, of
+// p[r * p_stride] * value_r. One form for every row (it depends on the head dim only).
+template <int64_t DC>
+inline void accumulate(float* __restrict acc, const float* __restrict values, const float* __restrict p,
+                       int64_t p_stride, int64_t r0, int64_t r1, float correction, int64_t head_dim) {
+  if constexpr (DC > 0 && DC % kLanes == 0) {
+    using Lanes = typename LanesOf<kLanes>::type;
+    constexpr int64_t N = DC / kLanes;
+    Lanes a[N];
+    for (int64_t c = 0; c < N; ++c) a[c] = load_lanes<kLanes>(acc + c * kLanes) * correction;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float w = p[r * p_stride];
+      const float* v = values + r * DC;
+      for (int64_t c = 0; c < N; ++c) a[c] += load_lanes<kLanes>(v + c * kLanes) * w;
+    }
+    for (int64_t c = 0; c < N; ++c) store_lanes<kLanes>(acc + c * kLanes, a[c]);
+  } else {
+    const int64_t D = DC > 0 ? DC : head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float w = p[r * p_stride];
+      const float* v = values + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+    }
+  }
+}
+
+// Scores of the positions a row does not attend (before first, after pos) become -inf; the tile starts at j0.
+// Positions of the tile outside the unit's range are attended by none of its rows.
+inline void mask_tile(float* __restrict s, const int32_t* __restrict pos, const int32_t* __restrict first,
+                      int32_t j0) {
+  for (int64_t r = 0; r < kTile; ++r) {
+    const int32_t j = j0 + static_cast<int32_t>(r);
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const bool ok = (j <= pos[l]) & (j >= first[l]);
+      s[r * kLanes + l] = ok ? s[r * kLanes + l] : -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+// The online-softmax step of one row-vector over a tile: s holds its scores (-inf where not attended) and
+// gets their weights e^(s - new max); the running max and denominator move on, correction = e^(old - new max),
+// exactly 1 where the max stays (so a row with no position in the tile keeps its state bit for bit, and a tile
+// that others' positions bring in changes nothing of its). Each row's sum runs over the tile's keys in order.
+inline void softmax_step(float* __restrict s, float* __restrict max, float* __restrict denom,
+                         float* __restrict correction) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  float new_max[kLanes], sum[kLanes] = {};
+  for (int64_t l = 0; l < kLanes; ++l) new_max[l] = max[l];
+  for (int64_t r = 0; r < kTile; ++r) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) new_max[l] = std::max(new_max[l], s[r * kLanes + l]);
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    const float c = exp_approx(max[l] - new_max[l]);
+    correction[l] = max[l] == new_max[l] ? 1.0f : c;
+  }
+  for (int64_t r = 0; r < kTile; ++r) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float x = s[r * kLanes + l], e = exp_approx(x - new_max[l]);
+      const float p = x == neg_inf ? 0.0f : e;  // not attended: 0 (e^-87 otherwise)
+      s[r * kLanes + l] = p;
+      sum[l] += p;
+    }
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    denom[l] = denom[l] * correction[l] + sum[l];
+    max[l] = new_max[l];
+  }
+}
+
+// Merges one chunk's state (m, l, a) of a row into the row's merged state (M, L, A): chunks are always merged
+// one by one in position order, by this one function (not inlined: one compiled form of its arithmetic), whether
+// a thread takes a unit's chunks in turn or several threads took them. A chunk with no position of the row's
+// (m = kNoMax, l = 0, a = 0) changes nothing.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MERGE_ATTRS __attribute__((noinline, noclone))
+#elif defined(__GNUC__)
+#define MERGE_ATTRS __attribute__((noinline))
+#else
+#define MERGE_ATTRS
+#endif
+MERGE_ATTRS void merge_state(float& M, float& L, float* __restrict A, float m, float l,
+                                   const float* __restrict a, int64_t D) {
+  const float nm = std::max(M, m);
+  const float cM = M == nm ? 1.0f : std::exp(M - nm);
+  const float cm = m == nm ? 1.0f : std::exp(m - nm);
+  L = L * cM + l * cm;
+  for (int64_t d = 0; d < D; ++d) A[d] = A[d] * cM + a[d] * cm;
+  M = nm;
+}
+
+// T: q's and the output's dtype; C: the pool's (T, or float8); DC: the head dim when fixed at compile time (0:
+// head_dim). scale: the softmax scale times k_scale, applied to the query; v_scale: applied with 1 / the sum.
+template <int64_t DC, typename T, typename C>
 void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_table, const int32_t* seq_lens,
             const int32_t* query_begin, const int32_t* query_end, T* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_width,
             float scale, int64_t window, float v_scale) {
+  const int64_t D = DC > 0 ? DC : head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_heads * head_dim;   // out: [T, H, D]; q's rows may be strided
   const int64_t slot_stride = num_kv_heads * head_dim;  // cache: [2, NB, BS, KVH, D]
   const int64_t block_stride = block_size * slot_stride;
   const int64_t value_offset = num_blocks * block_stride;
-  const int64_t D = head_dim, BS = block_size;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * D), acc(group * D), keys(BS * D), values(BS * D);
-    std::vector<float> scores(BS), running_max(group), denom(group);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t b = work / num_kv_heads, kvh = work % num_kv_heads;
-      const int64_t q_begin = query_begin[b], q_end = query_end[b];
-      const int64_t seq_len = seq_lens[b], num_q = q_end - q_begin;
-      const int32_t* table = block_table + b * table_width;
-      for (int64_t t = q_begin; t < q_end; ++t) {
-        const int64_t pos = seq_len - num_q + (t - q_begin);
-        const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        load_row(q + t * q_stride + kvh * group * D, qf.data(), group * D);
-        for (auto& x : qf) x *= scale;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        std::fill(running_max.begin(), running_max.end(), neg_inf);
-        std::fill(denom.begin(), denom.end(), 0.0f);
-        for (int64_t j0 = first; j0 <= pos;) {
-          const int64_t offset = j0 % BS;
-          const int64_t n = std::min(BS - offset, pos - j0 + 1);  // positions of this block to read
-          const int64_t row0 = static_cast<int64_t>(table[j0 / BS]) * block_stride + offset * slot_stride + kvh * D;
-          for (int64_t r = 0; r < n; ++r) {
-            load_row(cache + row0 + r * slot_stride, keys.data() + r * D, D);
-            load_row(cache + value_offset + row0 + r * slot_stride, values.data() + r * D, D);
-          }
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * D;
-            for (int64_t r = 0; r < n; ++r) {
-              const float* k = keys.data() + r * D;
-              float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-              for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
-              scores[r] = s;
-            }
-            float block_max = neg_inf;
-#pragma omp simd reduction(max : block_max)
-            for (int64_t r = 0; r < n; ++r) block_max = std::max(block_max, scores[r]);
-            const float new_max = std::max(running_max[g], block_max);
-            const float correction = std::exp(running_max[g] - new_max);  // 0 on the first block
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t r = 0; r < n; ++r) {
-              scores[r] = exp_approx(scores[r] - new_max);
-              sum += scores[r];
-            }
-            float* a = acc.data() + g * D;
+  const int64_t BS = block_size;
+
+  // The units, their cost (rows x positions), and how many items each is spread over.
+  std::vector<Unit> units;
+  double total_cost = 0.0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t num_q = query_end[b] - query_begin[b], seq_len = seq_lens[b];
+    for (int64_t i0 = 0; i0 < num_q; i0 += kUnitQueries) {
+      const int64_t i1 = std::min(num_q, i0 + kUnitQueries);
+      const int64_t pos0 = seq_len - num_q + i0;
+      const int64_t key_begin = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+      const int64_t key_end = std::max(key_begin, seq_len - num_q + i1);
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        units.push_back({b, kvh, query_begin[b] + i0, query_begin[b] + i1, num_q, seq_len, key_begin, key_end,
+                         key_begin / kChunk, (key_end + kChunk - 1) / kChunk, 1, 0});
+        total_cost += static_cast<double>((i1 - i0) * group) * (key_end - key_begin);
+      }
+    }
+  }
+  if (units.empty()) return;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  std::vector<Item> items;
+  int64_t partial_size = 0;
+  // few units for the threads: spread their chunks over several items, so that each thread gets about
+  // kPartsPerThread items. How they are spread changes no bit of the result, only who computes what.
+  const double target = total_cost / static_cast<double>(threads * kPartsPerThread);
+  for (int64_t u = 0; u < static_cast<int64_t>(units.size()); ++u) {
+    Unit& unit = units[u];
+    const int64_t rows = (unit.q1 - unit.q0) * group, chunks = unit.chunk1 - unit.chunk0;
+    int64_t parts = 1;
+    if (threads > 1) {
+      const double cost = static_cast<double>(rows) * (unit.key_end - unit.key_begin);
+      parts = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(std::ceil(cost / target)), chunks));
+    }
+    unit.parts = parts;
+    unit.partial = partial_size;
+    if (parts > 1) partial_size += chunks * rows * (D + 2);
+    for (int64_t p = 0; p < parts; ++p) {
+      items.push_back({u, unit.chunk0 + chunks * p / parts, unit.chunk0 + chunks * (p + 1) / parts});
+    }
+  }
+  std::vector<float> partial(partial_size);
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[units.size()]);
+  for (size_t u = 0; u < units.size(); ++u) remaining[u].store(units[u].parts, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+
+  // A row's output: acc * v_scale / denom, into the output tensor (tmp: D floats of scratch).
+  const auto write_out = [&](const Unit& unit, int64_t row, const float* acc, float denom, float* tmp) {
+    const int64_t t = unit.q0 + row / group, h = unit.kvh * group + row % group;
+    const float inv = v_scale / denom;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-            for (int64_t r = 0; r < n; ++r) {
-              const float p = scores[r];
-              const float* v = values.data() + r * D;
+    for (int64_t d = 0; d < D; ++d) tmp[d] = acc[d] * inv;
+    store_row(tmp, out + t * token_stride + h * D, D);
+  };
+
+  const auto work = [&](Scratch& s, const Item& item) {
+    const Unit& unit = units[item.unit];
+    const int64_t rows = (unit.q1 - unit.q0) * group;
+    const int64_t vectors = (rows + kLanes - 1) / kLanes, padded = vectors * kLanes;
+    const bool whole = unit.parts == 1;
+    s.qf.resize(rows * D);
+    s.qt.assign(vectors * D * kLanes, 0.0f);
+    s.acc.resize(rows * D);
+    s.max.resize(padded);
+    s.denom.resize(padded);
+    s.pos.assign(padded, -1);  // padding rows: no position of theirs
+    s.first.assign(padded, 0);
+    if (whole) {
+      s.merged_max.assign(rows, kNoMax);
+      s.merged_denom.assign(rows, 0.0f);
+      s.merged_acc.assign(rows * D, 0.0f);
+    }
+    if (s.keys.size() < static_cast<size_t>(kTile * D)) {
+      s.keys.assign(kTile * D, 0.0f);
+      s.values.assign(kTile * D, 0.0f);
+      s.scores.assign(kTile * kLanes, 0.0f);
+      s.row.assign(D, 0.0f);
+    }
+    const int32_t* table = block_table + unit.b * table_width;
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t i = unit.q0 + row / group, g = row % group;
+      float* qr = s.qf.data() + row * D;
+      load_row(q + i * q_stride + (unit.kvh * group + g) * D, qr, D);
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-            }
-            denom[g] = denom[g] * correction + sum;
-            running_max[g] = new_max;
+      for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
+      float* qt = s.qt.data() + (row / kLanes) * D * kLanes + row % kLanes;
+      for (int64_t d = 0; d < D; ++d) qt[d * kLanes] = qr[d];
+      const int64_t pos = unit.seq_len - unit.num_q + (i - query_begin[unit.b]);
+      s.pos[row] = static_cast<int32_t>(pos);
+      s.first[row] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+    }
+    float* sc = s.scores.data();
+    for (int64_t chunk = item.chunk0; chunk < item.chunk1; ++chunk) {
+      // the chunk's state, from scratch
+      std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+      std::fill(s.max.begin(), s.max.end(), kNoMax);
+      std::fill(s.denom.begin(), s.denom.end(), 0.0f);
+      const int64_t lo = std::max(unit.key_begin, chunk * kChunk), hi = std::min(unit.key_end, (chunk + 1) * kChunk);
+      for (int64_t j0 = lo / kTile * kTile; j0 < hi; j0 += kTile) {
+        const int64_t a = std::max(lo, j0), z = std::min(hi, j0 + kTile);  // the tile's positions to read
+        for (int64_t j = a; j < z;) {  // block by block
+          const int64_t offset = j % BS, run = std::min(BS - offset, z - j);
+          const C* src = cache + static_cast<int64_t>(table[j / BS]) * block_stride + offset * slot_stride +
+                         unit.kvh * D;
+          for (int64_t x = 0; x < run; ++x, ++j) {
+            load_row(src + x * slot_stride, s.keys.data() + (j - j0) * D, D);
+            load_row(src + value_offset + x * slot_stride, s.values.data() + (j - j0) * D, D);
           }
-          j0 += n;
         }
-        T* o = out + t * token_stride + kvh * group * D;
-        for (int64_t g = 0; g < group; ++g) {
-          const float inv = v_scale / denom[g];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv;
-          store_row(acc.data() + g * D, o + g * D, D);
+#if defined(__GNUC__)
+        // the next tile's rows, to be in cache by its turn (the block table scatters them past the prefetchers)
+        for (int64_t j = j0 + kTile; j < std::min(j0 + 2 * kTile, unit.key_end); ++j) {
+          const C* row = cache + static_cast<int64_t>(table[j / BS]) * block_stride + (j % BS) * slot_stride +
+                         unit.kvh * D;
+          for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(C)); byte += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
+            __builtin_prefetch(reinterpret_cast<const char*>(row + value_offset) + byte);
+          }
+        }
+#endif
+        const int32_t jlast = static_cast<int32_t>(j0 + kTile - 1);
+        for (int64_t v = 0; v < vectors; ++v) {
+          const int64_t row0 = v * kLanes, nrows = std::min(kLanes, rows - row0);
+          const int32_t* pos = s.pos.data() + row0;
+          const int32_t* first = s.first.data() + row0;
+          // rows are in position order: skip a vector none of whose rows reach into the tile
+          if (pos[nrows - 1] < j0 || first[0] > jlast) continue;
+          const float* qt = s.qt.data() + v * D * kLanes;
+          if (nrows <= 4) {
+            tile_scores<DC, 4>(qt, s.keys.data(), sc, D);
+          } else if (nrows <= 8) {
+            tile_scores<DC, 8>(qt, s.keys.data(), sc, D);
+          } else {
+            tile_scores<DC, kLanes>(qt, s.keys.data(), sc, D);
+          }
+          // every row of the vector attends every position of the tile: nothing to mask
+          const bool full = pos[0] >= jlast && first[nrows - 1] <= j0;
+          if (!full) mask_tile(sc, pos, first, static_cast<int32_t>(j0));
+          float correction[kLanes];
+          softmax_step(sc, s.max.data() + row0, s.denom.data() + row0, correction);
+          for (int64_t l = 0; l < nrows; ++l) {
+            const int64_t r0 = std::max<int64_t>(0, first[l] - j0), r1 = std::min<int64_t>(kTile, pos[l] - j0 + 1);
+            if (r0 >= r1) continue;  // nothing of this row's in the tile: its state is unchanged
+            accumulate<DC>(s.acc.data() + (row0 + l) * D, s.values.data(), sc + l, kLanes, r0, r1, correction[l],
+                           D);
+          }
         }
       }
+      if (whole) {  // merged in turn
+        for (int64_t row = 0; row < rows; ++row) {
+          merge_state(s.merged_max[row], s.merged_denom[row], s.merged_acc.data() + row * D, s.max[row],
+                      s.denom[row], s.acc.data() + row * D, D);
+        }
+      } else {  // kept for the unit's last item to merge
+        float* mine = partial.data() + unit.partial + (chunk - unit.chunk0) * rows * (D + 2);
+        std::memcpy(mine, s.max.data(), rows * sizeof(float));
+        std::memcpy(mine + rows, s.denom.data(), rows * sizeof(float));
+        std::memcpy(mine + 2 * rows, s.acc.data(), rows * D * sizeof(float));
+      }
+    }
+    if (whole) {
+      for (int64_t row = 0; row < rows; ++row) {
+        write_out(unit, row, s.merged_acc.data() + row * D, s.merged_denom[row], s.row.data());
+      }
+      return;
+    }
+    if (remaining[item.unit].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    // the unit's last item to finish merges its chunks, in order
+    const int64_t chunk_size = rows * (D + 2);
+    const float* chunks = partial.data() + unit.partial;
+    s.merged_acc.resize(D);
+    for (int64_t row = 0; row < rows; ++row) {
+      float M = kNoMax, L = 0.0f;
+      float* A = s.merged_acc.data();
+      std::fill(A, A + D, 0.0f);
+      for (int64_t c = 0; c < unit.chunk1 - unit.chunk0; ++c) {
+        const float* st = chunks + c * chunk_size;
+        merge_state(M, L, A, st[row], st[rows + row], st + 2 * rows + row * D, D);
+      }
+      write_out(unit, row, A, L, s.row.data());
+    }
+  };
+
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+    Scratch s;
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < num_items;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      work(s, items[i]);
     }
   });
 }
@@ -121,11 +457,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   auto out = torch::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const auto run = [&](const auto* cache) {
-      attend(q.data_ptr<scalar_t>(), q.stride(0), cache, block_table.data_ptr<int32_t>(),
-             seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
-             out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2), kv_cache.size(2),
-             kv_cache.size(1), block_table.size(1), static_cast<float>(scale * k_scale), window,
-             static_cast<float>(v_scale));
+      const auto call = [&](auto head_dim) {
+        attend<decltype(head_dim)::value>(
+            q.data_ptr<scalar_t>(), q.stride(0), cache, block_table.data_ptr<int32_t>(),
+            seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
+            out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2),
+            kv_cache.size(2), kv_cache.size(1), block_table.size(1), static_cast<float>(scale * k_scale), window,
+            static_cast<float>(v_scale));
+      };
+      if (q.size(2) == 64) {
+        call(std::integral_constant<int64_t, 64>{});
+      } else if (q.size(2) == 128) {
+        call(std::integral_constant<int64_t, 128>{});
+      } else {
+        call(std::integral_constant<int64_t, 0>{});
+      }
     };
     if (pool == at::kFloat8_e4m3fn) {
       run(kv_cache.data_ptr<c10::Float8_e4m3fn>());
