@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import re
 from dataclasses import dataclass, field
 
@@ -58,7 +59,12 @@ class EngineConfig:
     max_num_batched_tokens: int = _flag("token budget of one engine step (chunked prefill above it)", default=2048)
     enable_prefix_caching: bool = _flag("automatic prefix caching", default=True)
     enable_chunked_prefill: bool = _flag("split long prompts over several steps", default=True)
-    tensor_parallel_size: int = _flag("tensor-parallel degree", default=1)
+    tensor_parallel_size: int = _flag("tensor-parallel degree: ranks that each hold 1/N of every layer (their heads, "
+                                      "MLP columns and vocabulary rows) and of the KV pool; --kv-cache-memory is "
+                                      "per rank", default=1)
+    distributed_executor_backend: str = _flag("how the tensor-parallel ranks run: mp (processes of this machine) or "
+                                              "ray (Ray actors, possibly on several machines of a Ray cluster)",
+                                              default="mp", meta={"choices": ["mp", "ray"]})
     quantization: str | None = _flag("weight quantization: gguf (a GGUF's blocks kept quantized; the default for a "
                                      "GGUF on the CPU), int8 / int4 (weight-only, from a full-precision checkpoint), "
                                      "fp8, awq, gptq; default: the checkpoint's own", default=None)
@@ -119,12 +125,20 @@ class EngineConfig:
         PoolerConfig.parse(self.pooler_config)  # raises ConfigError on a bad value
         if self.speculative is not None and self.runner == "pooling":
             raise ConfigError("speculative decoding applies to generation, not to --runner pooling")
-        unbuilt = {
-            "--tensor-parallel-size > 1": self.tensor_parallel_size != 1,
-        }
-        for name, used in unbuilt.items():
-            if used:
-                raise ConfigError(f"{name} is not supported by this version of heron yet")
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size == 1:
+            return
+        spec = self.speculative
+        if spec is not None and spec.method != "ngram":
+            raise ConfigError(f"speculative decoding with a {spec.method} proposer is not supported with "
+                              "--tensor-parallel-size > 1 yet; use the ngram method, or one rank")
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ConfigError("--distributed-executor-backend ray needs Ray: pip install 'heron[ray]' "
+                              "(or pip install ray)")
 
     @property
     def pooler(self) -> PoolerConfig:

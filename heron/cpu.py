@@ -47,10 +47,11 @@ def torch_default_threads() -> int:
     return torch.get_num_threads()
 
 
-def engine_threads(requested: int | None, serving: bool) -> int:
-    """Intra-op threads for the engine core: ``requested`` (or ``HERON_CPU_THREADS``), else torch's default
-    within the usable cores, less one for the API process when serving on 4 or more. On fewer, taking a core
-    from a 2-core core costs more than the API process's contention does (docs/performance.md)."""
+def engine_threads(requested: int | None, serving: bool, ranks: int = 1) -> int:
+    """Intra-op threads for the engine core (and for each of ``ranks`` tensor-parallel ranks on this machine):
+    ``requested`` (or ``HERON_CPU_THREADS``), else torch's default within the usable cores, less one for the API
+    process when serving on 4 or more, shared out among the ranks. On fewer, taking a core from a 2-core core
+    costs more than the API process's contention does (docs/performance.md)."""
     if requested is None and os.environ.get("HERON_CPU_THREADS"):
         requested = int(os.environ["HERON_CPU_THREADS"])
     if requested is not None:
@@ -58,14 +59,15 @@ def engine_threads(requested: int | None, serving: bool) -> int:
             raise ValueError(f"--cpu-threads must be at least 1, got {requested}")
         return requested
     cores = min(usable_cores(), torch_default_threads())
-    return cores - 1 if serving and cores >= 4 else cores
+    cores = cores - 1 if serving and cores >= 4 else cores
+    return max(1, cores // ranks)
 
 
-def set_engine_threads(requested: int | None, serving: bool) -> int:
+def set_engine_threads(requested: int | None, serving: bool, ranks: int = 1) -> int:
     """Apply ``engine_threads`` to torch's intra-op pool (and heron's kernels, which share it); returns it."""
     import torch
 
-    threads = engine_threads(requested, serving)
+    threads = engine_threads(requested, serving, ranks)
     torch.set_num_threads(threads)
     logger.info("engine core: %d CPU threads (of %d usable cores%s)", threads, usable_cores(),
                 "; set with --cpu-threads" if requested is None else "")

@@ -31,3 +31,7 @@ class EngineOverloadedError(HeronError):
 
 class EngineDeadError(HeronError):
     """The engine loop stopped after an internal error (HTTP 500)."""
+
+
+class WorkerDiedError(HeronError):
+    """A tensor-parallel rank died (killed, out of memory, crashed): the engine cannot go on without it."""

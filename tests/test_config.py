@@ -26,7 +26,9 @@ def test_flags_have_vllm_names_and_types():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
+    (["--tensor-parallel-size", "2", "--speculative-config", '{"method": "self_draft", "num_speculative_tokens": 2}'],
+     "self_draft proposer is not supported with --tensor-parallel-size > 1"),
     (["--speculative-model", "draft"], "--num-speculative-tokens"),
     (["--num-speculative-tokens", "4"], "--speculative-model"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'], "num_speculative_tokens"),

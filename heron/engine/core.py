@@ -28,22 +28,16 @@ import torch
 
 from heron.attention.backend import get_attention_backend
 from heron.config import EngineConfig
+from heron.distributed.executor import make_executor
 from heron.engine.block_manager import BlockManager
 from heron.engine.grammar_queue import GrammarQueue
-from heron.engine.memory import (
-    check_kv_capacity,
-    kv_cache_budget,
-    num_kv_blocks,
-    resolve_device,
-    resolve_dtype,
-)
+from heron.engine.memory import check_kv_capacity, kv_cache_budget, num_kv_blocks, resolve_dtype
 from heron.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, RequestRejection
 from heron.engine.outputs import EngineStats
 from heron.engine.pooling import PoolingState
 from heron.engine.request import Request, SeqStatus, Sequence
 from heron.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from heron.errors import ConfigError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
-from heron.model.loader import load_model
 from heron.quantization.kv import resolve_kv_cache_dtype
 from heron.quantization.summary import describe_weights
 from heron.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, gather_logprobs
@@ -52,7 +46,7 @@ from heron.spec_decode.build import load_draft, make_proposer
 from heron.spec_decode.draft import Draft
 from heron.spec_decode.policy import SpeculationPolicy
 from heron.spec_decode.rejection_sampler import rejection_sample
-from heron.worker.model_runner import ModelRunner
+from heron.worker.worker import load_runner, rank_device
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -80,24 +74,35 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        self.device = resolve_device(config.device)
+        self.executor = None
+        if config.tensor_parallel_size > 1:  # ranks 1..N-1 start and join before anything loads
+            self.executor = make_executor(config, torch.get_num_threads())
+        try:
+            if self.executor:
+                self.executor.start()
+            self._build(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        self.device = rank_device(config, 0)
         self.dtype = resolve_dtype(config.dtype, self.device)
         backend = get_attention_backend(config.attention_backend, self.device)
         # an fp8 pool the backend cannot read is refused before the weights load
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, backend)
-        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.tokenizer,
-                            config.chat_template, config.quantization)
+        loaded, self.runner, self.max_model_len = load_runner(config, self.device, self.dtype, backend)
+        if self.executor:
+            self.executor.wait_until_loaded()
+            self.runner.peers = self.executor
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer  # only for compiling grammars against the vocabulary
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = self.hf_config.vocab_size
-        self.max_model_len = self._max_model_len(config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(f"--max-num-batched-tokens ({config.max_num_batched_tokens}) is smaller than "
                               f"--max-model-len ({self.max_model_len}) without chunked prefill: a long prompt "
                               "could never be scheduled; raise it, lower --max-model-len or enable chunked prefill")
-        self.runner = ModelRunner(loaded.model, config.block_size, self.device, config.max_num_seqs,
-                                  self.max_model_len, config.max_num_batched_tokens, backend)
         spec = config.speculative
         self.draft = spec and load_draft(spec, self.runner, config.model, self.vocab_size, self.dtype,
                                          self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
@@ -136,14 +141,6 @@ class EngineCore:
                         else "drafts accepted while they equal the target's samples",
                         f"off from {spec.disable_by_batch_size} running sequences" if spec.disable_by_batch_size
                         else "adaptive (cost model from measured step times)")
-
-    def _max_model_len(self, config: EngineConfig) -> int:
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        if config.max_model_len is None:
-            return model_max
-        if config.max_model_len > model_max:
-            raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's maximum of {model_max}")
-        return config.max_model_len
 
     def _bytes_per_block(self) -> int:
         """Bytes of one block in every pool: the target's, and a draft model's of the same block ids."""
@@ -317,8 +314,19 @@ class EngineCore:
         return bool(self.requests)
 
     def wait_handles(self) -> list:
-        """What becomes readable when a grammar finishes compiling: a loop idle on its commands waits on these too."""
-        return self.grammars.handles
+        """What becomes readable when a grammar finishes compiling or a tensor-parallel rank dies: a loop idle on
+        its commands waits on these too."""
+        return self.grammars.handles + (self.executor.wait_handles if self.executor else [])
+
+    def check_health(self) -> None:
+        """Raise ``WorkerDiedError`` if a tensor-parallel rank has died (the engine cannot step without it)."""
+        if self.executor:
+            self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (a single-process core holds nothing to release)."""
+        if self.executor:
+            self.executor.shutdown()
 
     # ---- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -83,7 +83,7 @@ def run_core_process(config: EngineConfig, core_factory: Callable[[EngineConfig]
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     encoder = msgspec.msgpack.Encoder()
     try:
-        set_engine_threads(config.cpu_threads, serving=True)
+        set_engine_threads(config.cpu_threads, serving=True, ranks=config.tensor_parallel_size)
         core = core_factory(config)
     except Exception as e:  # noqa: BLE001 - reported to the API process, which exits with the message
         if not isinstance(e, HeronError):
@@ -96,6 +96,8 @@ def run_core_process(config: EngineConfig, core_factory: Callable[[EngineConfig]
     except BrokenPipeError:
         logger.warning("the API process is gone; the engine core exits")
         ok = True
+    finally:
+        core.shutdown()
     logging.shutdown()
     # Everything the API process needs has been sent: skip interpreter teardown (torch's takes ~1 s, which a
     # drain-then-exit on SIGTERM would otherwise spend), and a grammar compile still running with it.
@@ -120,14 +122,15 @@ class CoreLoop:
             admitted, rejected = self.core.admit_compiled()
             report.admitted.extend(admitted)
             report.rejected.extend(rejected)
-            if self.core.has_work_to_step():
-                try:
+            try:
+                self.core.check_health()  # a dead tensor-parallel rank fails the core even while it idles
+                if self.core.has_work_to_step():
                     report.outputs = self.core.step()
-                except Exception as e:  # noqa: BLE001 - fatal: reported, then the process exits
-                    logger.exception("an engine core step failed; the core process exits")
-                    self._send(CoreStep(report))  # the adds it admitted first, so they fail as streams
-                    self._send(CoreFailed(type(e).__name__, str(e)))
-                    return False
+            except Exception as e:  # noqa: BLE001 - fatal: reported, then the process exits
+                logger.exception("the engine core failed; the core process exits")
+                self._send(CoreStep(report))  # the adds it admitted first, so they fail as streams
+                self._send(CoreFailed(type(e).__name__, str(e)))
+                return False
             report.stats = self.core.stats()
             self._send(CoreStep(report))
 

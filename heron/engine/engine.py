@@ -21,7 +21,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        set_engine_threads(config.cpu_threads, serving=False)
+        set_engine_threads(config.cpu_threads, serving=False, ranks=config.tensor_parallel_size)
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self.info = self.core.info
@@ -78,3 +78,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any; the engine cannot step afterwards."""
+        self.core.shutdown()

@@ -100,3 +100,13 @@ def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int, byte
         f"--max-model-len {max_model_len} needs {needed} blocks ({needed * bytes_per_block / 2**20:.1f} MiB): "
         f"raise --kv-cache-memory (or --gpu-memory-utilization, --num-gpu-blocks-override{fp8}), or lower "
         f"--max-model-len to at most {fits}")
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    """``--max-model-len``, or the model's own maximum; refused if above the latter."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's maximum of {model_max}")
+    return config.max_model_len

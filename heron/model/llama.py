@@ -8,9 +8,12 @@ import torch
 from torch import nn
 
 from heron.attention.backend import AttentionMetadata
+from heron.distributed.parallel_state import get_tp_group
+from heron.errors import ConfigError
 from heron.layers.activation import SiluAndMul
 from heron.layers.attention import PagedAttention
-from heron.layers.linear import Linear, MergedLinear
+from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from heron.layers.linear import MergedLinear, RowParallelLinear
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RopeInputs, RotaryEmbedding
 from heron.quantization import quantization_method_for
@@ -30,19 +33,43 @@ def sliding_window_of(config, layer_index: int) -> int | None:
     return window if config.model_type == "mistral" else None
 
 
+def check_tensor_parallel(config, size: int) -> None:
+    """Refuse a tensor-parallel degree the model's shapes cannot split into: query heads and the MLP must divide
+    evenly; KV heads too, or (fewer KV heads than ranks) be replicated, each on ``size / kv_heads`` ranks."""
+    heads = config.num_attention_heads
+    kv_heads = config.num_key_value_heads or heads
+    problems = []
+    if heads % size:
+        problems.append(f"{heads} attention heads")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"{kv_heads} KV heads (they must divide by it, or it by them)")
+    if config.intermediate_size % size:
+        problems.append(f"an MLP of {config.intermediate_size}")
+    if problems:
+        raise ConfigError(f"--tensor-parallel-size {size} does not split this model: it has "
+                          f"{' and '.join(problems)}; pick a size that divides its heads")
+
+
 class Attention(nn.Module):
+    """Self-attention; with tensor parallelism, this rank's query heads and their KV heads."""
+
     def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
                  sliding_window: int | None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        tp = get_tp_group()
+        total_heads = config.num_attention_heads
+        total_kv_heads = config.num_key_value_heads or total_heads
+        self.num_heads = total_heads // tp.size
+        self.num_kv_heads = max(1, total_kv_heads // tp.size)  # fewer KV heads than ranks: replicated
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = total_heads * self.head_dim, total_kv_heads * self.head_dim
+        kv_part = tp.part(min(total_kv_heads, tp.size))
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
-                                     quant_method=quantization_method_for(config, "qkv_proj"))
+                                     quant_method=quantization_method_for(config, "qkv_proj"),
+                                     output_parts=[tp.part(), kv_part, kv_part])
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias,
-                             quant_method=quantization_method_for(config, "o_proj"))
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias,
+                                        quant_method=quantization_method_for(config, "o_proj"))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -64,9 +91,10 @@ class MLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-                                         quant_method=quantization_method_for(config, "gate_up_proj"))
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias,
-                                quant_method=quantization_method_for(config, "down_proj"))
+                                         quant_method=quantization_method_for(config, "gate_up_proj"),
+                                         output_parts=[get_tp_group().part()] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           quant_method=quantization_method_for(config, "down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,18 +131,19 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
+        check_tensor_parallel(config, get_tp_group().size)
         self.config = config
         model_type = config.model_type
         qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         qk_norm = model_type == "qwen3"
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.rotary = rotary
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary, qkv_bias, qk_norm, sliding_window_of(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size,
-                             quant_method=quantization_method_for(config, "lm_head"))
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size,
+                                      quant_method=quantization_method_for(config, "lm_head"))
         self.tie_weights()
         for p in self.parameters():
             p.requires_grad_(False)

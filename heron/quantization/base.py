@@ -3,7 +3,9 @@ a layer's weight parameters, may repack them once loaded, and computes the layer
 
 A parameter with a per-output-row axis carries an ``output_dim`` attribute naming it (see ``linear_parameter``);
 a merged layer's loader places checkpoint shard i in that axis' rows of projection i. A parameter without one
-(a per-tensor scale) holds one slot per projection along dim 0: shape ``[len(output_sizes)]``.
+(a per-tensor scale) holds one slot per projection along dim 0: shape ``[len(output_sizes)]``. A per-input-column
+axis is named by ``input_dim``: tensor parallelism cuts a row-parallel layer's checkpoint tensors along it (and a
+column-parallel layer's along ``output_dim``) before ``load`` sees them.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ GEMV_MAX_ROWS = 4  # the rows heron's bfloat16 matrix-vector kernel takes (it re
 ONEDNN_PACK_ROWS = 32  # the batch size oneDNN picks its packed weight layout for (a hint; any size works)
 
 
-def linear_parameter(data: torch.Tensor, output_dim: int | None = None) -> nn.Parameter:
-    """A frozen parameter of a linear layer; ``output_dim`` is its per-output-row axis, if it has one."""
+def linear_parameter(data: torch.Tensor, output_dim: int | None = None, input_dim: int | None = None
+                     ) -> nn.Parameter:
+    """A frozen parameter of a linear layer; ``output_dim`` / ``input_dim`` are its per-output-row and
+    per-input-column axes, where it has them."""
     param = nn.Parameter(data, requires_grad=False)
     param.output_dim = output_dim
+    param.input_dim = input_dim
     return param
 
 
@@ -32,6 +37,7 @@ class QuantizationMethod(ABC):
     """How a linear layer stores its weight and computes ``x W^T + b``; stateless, all state lives on the layer."""
 
     quantizes_lm_head = False  # the LM head stays dense unless the format says otherwise (as vLLM)
+    tensor_parallel = False  # whether its parameters name their output/input axes, so a layer can be sharded
 
     @classmethod
     def for_layer(cls, quant_config: dict, layer: str) -> QuantizationMethod:
@@ -81,11 +87,13 @@ class UnquantizedLinearMethod(QuantizationMethod):
     layout (``F.linear`` would reorder it on every call): the plain weight stays for the former.
     """
 
+    tensor_parallel = True
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         """Register ``weight`` [sum(output_sizes), input_size]."""
         weight = torch.empty(sum(output_sizes), input_size, dtype=params_dtype)
-        layer.register_parameter("weight", linear_parameter(weight, output_dim=0))
+        layer.register_parameter("weight", linear_parameter(weight, output_dim=0, input_dim=1))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Pack a bfloat16 CPU weight for oneDNN (``layer.onednn_weight``) where ``onednn_packed`` allows."""

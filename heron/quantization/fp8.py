@@ -106,6 +106,8 @@ class Fp8Scheme:
 class Fp8LinearMethod(QuantizationMethod):
     """``--quantization fp8`` (quantized at load) and vLLM's fp8 checkpoints; see the module docstring."""
 
+    tensor_parallel = True
+
     def __init__(self, scheme: Fp8Scheme | None = None) -> None:
         self.scheme = scheme or Fp8Scheme()
 
@@ -138,7 +140,7 @@ class Fp8LinearMethod(QuantizationMethod):
         checkpoint ``weight_scale`` [out, 1] and ``input_scale`` (one per projection) in float32."""
         rows, scheme = sum(output_sizes), self.scheme
         weight = torch.empty(rows, input_size, dtype=FP8 if scheme.serialized else params_dtype)
-        layer.register_parameter("weight", linear_parameter(weight, output_dim=0))
+        layer.register_parameter("weight", linear_parameter(weight, output_dim=0, input_dim=1))
         if scheme.serialized:
             scale = torch.empty(rows, 1, dtype=torch.float32)
             layer.register_parameter("weight_scale", linear_parameter(scale, output_dim=0))

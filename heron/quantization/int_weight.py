@@ -73,6 +73,7 @@ class _QuantizedAtLoad(PackedIntLinearMethod):
     """A dense ``weight`` loaded from the checkpoint, quantized projection by projection once loaded."""
 
     quantizes_lm_head = True
+    tensor_parallel = True  # quantized after the loader cut the dense weight to this rank's part
 
     @abstractmethod
     def group_size(self, input_size: int) -> int:

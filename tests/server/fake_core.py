@@ -136,6 +136,12 @@ class FakeCore:
     def wait_handles(self) -> list:
         return []
 
+    def check_health(self) -> None:
+        pass  # one process: nothing else can die
+
+    def shutdown(self) -> None:
+        pass
+
     def abort_requests(self, request_ids) -> None:
         for request_id in request_ids:
             if self.requests.pop(request_id, None) is not None:

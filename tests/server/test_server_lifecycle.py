@@ -27,7 +27,7 @@ def run_entrypoint(*flags: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("flags,expected", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size > 1 is not supported"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
     (["--speculative-model", "draft"], "needs num_speculative_tokens"),
     (["--block-size", "3"], "--block-size must be a positive power of two"),
 ])

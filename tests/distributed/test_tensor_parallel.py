@@ -1,0 +1,90 @@
+"""Tensor parallelism over gloo on the CPU: TP=2 (and TP=4) give TP=1's greedy tokens, through prefix-cache hits,
+chunked prefill and preemption; bad degrees fail at start with one message and leave no process behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+from helpers import TINY_ARCHS, build_tiny_model
+
+from heron import LLM, SamplingParams
+from heron.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "Paged attention stores keys and values in fixed-size blocks of sixteen tokens. "
+PROMPTS = [PREFIX + "Once upon a time", PREFIX + "The quick brown fox", "Hello, world! How are you",
+           PREFIX + "def add(a, b):", "Once upon a time there was a little heron"]
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def generate(model, tp: int, **engine_args) -> tuple[list[list[int]], list[list[float]], object]:
+    """Greedy tokens and their logprobs of two rounds of PROMPTS (the second hits the prefix cache)."""
+    llm = LLM(str(model), dtype="float32", tensor_parallel_size=tp, max_num_batched_tokens=32, **engine_args)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False) + llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+                for o in outs]
+    return tokens, logprobs, stats
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tp2_gives_the_tokens_of_tp1(arch, tiny_model_dir):
+    model = tiny_model_dir(arch)
+    # 12 blocks of 16 hold the five sequences only in turns: preemption and recompute under both
+    tokens1, logprobs1, stats1 = generate(model, 1, num_gpu_blocks_override=12, max_model_len=128)
+    tokens2, logprobs2, stats2 = generate(model, 2, num_gpu_blocks_override=12, max_model_len=128)
+    assert tokens2 == tokens1
+    torch.testing.assert_close(torch.tensor(logprobs2), torch.tensor(logprobs1), atol=1e-4, rtol=0)
+    for stats in (stats1, stats2):
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert stats.num_blocks_free == stats.num_blocks_total  # nothing leaked on rank 0's books
+    assert not multiprocessing.active_children()  # the rank processes are gone after shutdown
+
+
+def test_tp4_replicates_kv_heads_and_pads_the_vocabulary(tmp_path):
+    # 2 KV heads over 4 ranks (each pair of ranks holds one), and 321 tokens: 81 rows per rank, 3 padding
+    model = build_tiny_model("qwen2", tmp_path / "m", vocab_size=321)
+    tokens1, logprobs1, _ = generate(model, 1)
+    tokens4, logprobs4, _ = generate(model, 4)
+    assert tokens4 == tokens1
+    torch.testing.assert_close(torch.tensor(logprobs4), torch.tensor(logprobs1), atol=1e-4, rtol=0)
+
+
+def prompt_logprobs(model, tp: int, quantization: str) -> torch.Tensor:
+    """Teacher-forced logprobs of every prompt token (no generated token feeds back a rounding difference)."""
+    llm = LLM(str(model), dtype="float32", tensor_parallel_size=tp, quantization=quantization)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    return torch.tensor([next(iter(lp.values())).logprob for o in outs for lp in o.prompt_logprobs[1:]])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+def test_quantized_weights_shard_with_their_scales(quantization, tiny_model_dir):
+    # each rank quantizes its own part of every layer; a row-parallel layer's groups (int8: up to 128 inputs)
+    # or row scales (fp8) then cover fewer inputs than at TP=1, so the rounding differs a little
+    model = tiny_model_dir("llama")
+    dense = prompt_logprobs(model, 1, None)
+    tp1, tp2 = prompt_logprobs(model, 1, quantization), prompt_logprobs(model, 2, quantization)
+    torch.testing.assert_close(tp2, tp1, atol=0, rtol=0.03)
+    # sharded, the quantized model stays as close to the dense one as unsharded (a part loaded with another
+    # part's scales would be off by far more than the format's own rounding)
+    assert (tp2 - dense).abs().mean() <= 2 * (tp1 - dense).abs().mean()
+
+
+@pytest.mark.parametrize("tp, needle", [
+    (3, "--tensor-parallel-size 3 does not split this model: it has 4 attention heads"),
+    (8, "--tensor-parallel-size 8 does not split this model: it has 4 attention heads"),
+])
+def test_degree_the_model_cannot_split_fails_at_start(tp, needle, tiny_model_dir):
+    with pytest.raises(ConfigError, match=needle):
+        LLM(str(tiny_model_dir("llama")), dtype="float32", tensor_parallel_size=tp)
+    assert not multiprocessing.active_children()
