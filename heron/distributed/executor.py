@@ -12,10 +12,12 @@ treats that as any failed step: in-flight requests get an error, the server repo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
 import pickle
+import secrets
 import signal
 import socket
 import sys
@@ -24,15 +26,22 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from heron.config import EngineConfig
-from heron.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, send_command
-from heron.errors import ConfigError, WorkerDiedError
+from heron.distributed import shm_all_reduce
+from heron.distributed.parallel_state import (
+    destroy_tensor_parallel,
+    get_tp_group,
+    init_tensor_parallel,
+    send_command,
+)
+from heron.distributed.shm_all_reduce import ShmAllReduce
+from heron.errors import ConfigError, HeronError, WorkerDiedError
 from heron.worker.worker import SHUTDOWN, rank_device, run_worker
 
 logger = logging.getLogger(__name__)
@@ -53,6 +62,7 @@ class Executor(ABC):
         self._serving = False  # every rank has loaded and waits for calls (so a shutdown command reaches them)
         self._closed = False
         self._wake_read, self._wake_write = os.pipe()
+        self.shm_path: str | None = None  # the shared-memory all-reduce segment, while it has a name
 
     def start(self) -> None:
         """Start ranks 1..N-1 and join them as rank 0; returns once every rank has joined."""
@@ -69,7 +79,8 @@ class Executor(ABC):
 
         def join() -> None:
             try:
-                init_tensor_parallel(0, self.size, init_method, "nccl" if device.type == "cuda" else "gloo")
+                init_tensor_parallel(0, self.size, init_method, "nccl" if device.type == "cuda" else "gloo",
+                                     self.shm_path)
             except BaseException as e:  # noqa: BLE001 - re-raised in the starting thread
                 failure.append(e)
 
@@ -91,6 +102,13 @@ class Executor(ABC):
             self.explain(e)
             raise
         self._serving = True
+        self._unlink_shm()  # every rank has mapped it: the name can go, the memory stays until the ranks exit
+
+    def _unlink_shm(self) -> None:
+        if self.shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)
+            self.shm_path = None
 
     # ---- ModelRunner.Peers -----------------------------------------------------------------------------------
     def send(self, method: str, args: tuple, kwargs: dict) -> None:
@@ -122,6 +140,9 @@ class Executor(ABC):
         if self._closed:
             return
         self.dead = why
+        shm = get_tp_group().shm
+        if shm is not None:
+            shm.abort()  # a rank spinning on the dead one's flag gives up
         logger.error("%s; the engine stops", why)
         os.write(self._wake_write, b"!")
 
@@ -136,6 +157,7 @@ class Executor(ABC):
             except Exception:  # noqa: BLE001 - a rank is gone already: it is stopped below either way
                 logger.debug("could not send the shutdown command", exc_info=True)
         self._stop_workers()
+        self._unlink_shm()
         destroy_tensor_parallel()
 
     # ---- what an executor kind provides ------------------------------------------------------------------------
@@ -165,16 +187,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _worker_main(config: EngineConfig, rank: int, size: int, init_method: str, threads: int, log_level: int,
-                 commands: Connection, errors: Connection) -> None:
+                 commands: Connection, errors: Connection, shm_path: str | None) -> None:
     """A spawned rank: ``run_worker`` on the commands of its pipe, its failure sent to rank 0 before the
     process exits with code 1."""
     try:
-        run_worker(config, rank, size, init_method, threads, log_level, lambda: pickle.loads(commands.recv_bytes()))
+        run_worker(config, rank, size, init_method, threads, log_level, lambda: pickle.loads(commands.recv_bytes()),
+                   shm_path)
     except EOFError:
         logging.getLogger(__name__).warning("rank 0 is gone; tensor-parallel rank %d exits", rank)
         sys.exit(1)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then this process exits
-        logging.getLogger(__name__).exception("tensor-parallel rank %d failed", rank)
+        if not isinstance(e, HeronError):  # a user's error (a bad size, a bad file) is said once, by rank 0
+            logging.getLogger(__name__).exception("tensor-parallel rank %d failed", rank)
         errors.send(f"{type(e).__name__}: {e}")
         sys.exit(1)
 
@@ -200,8 +224,16 @@ class MultiprocExecutor(Executor):
 
     name = "mp"
 
+    def __init__(self, config: EngineConfig, threads: int) -> None:
+        super().__init__(config, threads)
+        if (shm_all_reduce.supported() and rank_device(config, 0).type == "cpu"
+                and os.environ.get("HERON_SHM_ALL_REDUCE", "1") != "0"):
+            self.shm_path = f"/dev/shm/heron-tp-{os.getpid()}-{secrets.token_hex(4)}"
+
     def _start_workers(self) -> str:
         init_method = f"tcp://127.0.0.1:{free_port()}"
+        if self.shm_path:
+            ShmAllReduce.create(self.shm_path, self.size)
         ctx = multiprocessing.get_context("spawn")
         self.processes, self.errors, self.commands = {}, {}, {}
         for rank in range(1, self.size):
@@ -209,7 +241,8 @@ class MultiprocExecutor(Executor):
             errors_read, errors_write = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_worker_main, name=f"heron-rank-{rank}", daemon=True,
                                   args=(self.config, rank, self.size, init_method, self.threads,
-                                        logging.getLogger().getEffectiveLevel(), commands_read, errors_write))
+                                        logging.getLogger().getEffectiveLevel(), commands_read, errors_write,
+                                        self.shm_path))
             with _children_allowed():
                 process.start()
             commands_read.close()

@@ -7,6 +7,9 @@ Ray executor's channel; the processes of one machine take pipes, which are faste
 is a year: an idle server's workers wait in it between requests. A rank that dies closes its sockets, so its
 peers' pending collectives fail at once ("Connection closed by peer") instead of waiting out a timeout.
 
+Ranks that are processes of one machine sum small tensors (a decode step's activations) through shared memory
+instead (``shm_all_reduce.py``); larger ones, and ranks on several machines, through the process group.
+
 With one rank (the default) nothing is initialised and every collective is the identity.
 """
 
@@ -19,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from heron.distributed.shm_all_reduce import ShmAllReduce
+from heron.errors import ConfigError
+
 STEP_TIMEOUT = datetime.timedelta(minutes=5)  # a collective waiting longer than this means a stuck rank
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # workers wait for rank 0's next call as long as the server idles
 
@@ -30,6 +36,7 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     control: Any = None
+    shm: ShmAllReduce | None = None  # ranks of one machine: small all-reduces through shared memory
 
     def part(self, count: int | None = None) -> tuple[int, int]:
         """Which of ``count`` (default: one per rank) equal parts of a sharded axis this rank holds, as
@@ -46,15 +53,19 @@ def get_tp_group() -> TensorParallelGroup:
     return _group
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str = "gloo") -> None:
-    """Join ranks ``0..size-1`` (blocks until every rank has called this)."""
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str = "gloo",
+                         shm_path: str | None = None) -> None:
+    """Join ranks ``0..size-1`` (blocks until every rank has called this); with ``shm_path`` (a segment rank 0
+    created), small all-reduces go through it."""
     global _group
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process; heron's tensor "
-                           "parallelism starts its own process group")
+        raise ConfigError("torch.distributed is already initialised in this process (another engine with "
+                          "tensor parallelism still running? stop it first: llm.engine.shutdown()); heron's "
+                          "tensor parallelism starts its own process group")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=STEP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    _group = TensorParallelGroup(rank, size, control)
+    shm = ShmAllReduce(shm_path, rank, size, STEP_TIMEOUT.total_seconds()) if shm_path else None
+    _group = TensorParallelGroup(rank, size, control, shm)
 
 
 def destroy_tensor_parallel() -> None:
@@ -67,8 +78,11 @@ def destroy_tensor_parallel() -> None:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place; returns it."""
-    if _group.size > 1:
-        dist.all_reduce(x)
+    if _group.size == 1:
+        return x
+    if _group.shm is not None and _group.shm.fits(x):
+        return _group.shm.all_reduce(x)
+    dist.all_reduce(x)
     return x
 
 

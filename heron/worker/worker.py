@@ -46,7 +46,8 @@ def load_runner(config: EngineConfig, device: torch.device, dtype: torch.dtype, 
 
 
 def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, threads: int,
-               log_level: int = logging.INFO, receive: Callable[[], Any] = receive_command) -> None:
+               log_level: int = logging.INFO, receive: Callable[[], Any] = receive_command,
+               shm_path: str | None = None) -> None:
     """Main of rank ``rank`` > 0: join the group, load the shard, say so (a barrier rank 0 waits on), then make
     the calls rank 0 sends (``receive`` gets the next one) until ``SHUTDOWN``. Raises whatever fails; the
     executor reports it."""
@@ -56,7 +57,7 @@ def run_worker(config: EngineConfig, rank: int, size: int, init_method: str, thr
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_tensor_parallel(rank, size, init_method, "nccl" if device.type == "cuda" else "gloo")
+    init_tensor_parallel(rank, size, init_method, "nccl" if device.type == "cuda" else "gloo", shm_path)
     try:
         dtype = resolve_dtype(config.dtype, device)
         backend = get_attention_backend(config.attention_backend, device)

@@ -88,3 +88,32 @@ def test_degree_the_model_cannot_split_fails_at_start(tp, needle, tiny_model_dir
     with pytest.raises(ConfigError, match=needle):
         LLM(str(tiny_model_dir("llama")), dtype="float32", tensor_parallel_size=tp)
     assert not multiprocessing.active_children()
+
+
+def test_ngram_speculation_and_sampled_n_under_tp2(tiny_model_dir):
+    # n-gram drafts verified in rank 0's sampler; n = 2 forks share prompt blocks (copy-on-write on every rank)
+    model = tiny_model_dir("qwen3")
+    prompts = ["one two three one two three one two three one two", PREFIX]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, n=2)
+    outs = []
+    for tp, engine_args in [(1, {}), (2, {"speculative_config": spec})]:
+        llm = LLM(str(model), dtype="float32", tensor_parallel_size=tp, **engine_args)
+        try:
+            outs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
+            if engine_args:
+                assert llm.engine.stats().num_accepted_tokens > 0
+        finally:
+            llm.engine.shutdown()
+    assert outs[1] == outs[0]
+
+
+def test_embeddings_under_tp2(tiny_model_dir):
+    vectors = []
+    for tp in (1, 2):
+        llm = LLM(str(tiny_model_dir("llama")), dtype="float32", tensor_parallel_size=tp, runner="pooling")
+        try:
+            vectors.append(torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]))
+        finally:
+            llm.engine.shutdown()
+    torch.testing.assert_close(vectors[1], vectors[0], atol=1e-5, rtol=0)

@@ -74,3 +74,10 @@ def test_rank_killed_while_idle_makes_health_fail(tiny_model_dir, tmp_path):
         wait_unhealthy(server, seconds=5)
     finally:
         server.stop()
+
+
+def test_a_size_the_model_cannot_take_stops_the_server_with_one_message(tiny_model_dir, tmp_path):
+    proc = ServerProcess(tiny_model_dir("llama"), "--tensor-parallel-size", "3", log_path=tmp_path / "bad.log")
+    assert proc.proc.wait(120) != 0
+    assert "--tensor-parallel-size 3 does not split this model: it has 4 attention heads" in proc.log()
+    assert "Traceback" not in proc.log()

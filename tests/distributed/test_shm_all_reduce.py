@@ -1,0 +1,55 @@
+"""The shared-memory all-reduce: every rank gets the same bits, the sum of the ranks' tensors, over many calls
+(the two slot sets alternating); a rank waiting on a dead peer gives up once it is declared dead."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from heron.distributed import shm_all_reduce
+from heron.distributed.shm_all_reduce import ShmAllReduce
+
+pytestmark = pytest.mark.skipif(not shm_all_reduce.supported(), reason="x86 with /dev/shm only")
+
+SHAPES = [(1, 576), (7, 64), (3, 5, 16), (1,)]
+
+
+def tensors(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
+    shape = SHAPES[call % len(SHAPES)]
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * call + rank)).to(dtype)
+
+
+def reduce_many(path: str, rank: int, size: int, calls: int, dtype: torch.dtype, out) -> None:
+    shm = ShmAllReduce(path, rank, size, timeout=30)
+    # as lists: a tensor put in a queue would be shared through a file descriptor this process takes along
+    out.put((rank, [shm.all_reduce(tensors(rank, call, dtype)).float().tolist() for call in range(calls)]))
+
+
+@pytest.mark.parametrize("size, dtype", [(2, torch.float32), (3, torch.bfloat16)])
+def test_every_rank_gets_the_sum(size, dtype, tmp_path):
+    path = str(tmp_path / "segment")
+    ShmAllReduce.create(path, size)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=reduce_many, args=(path, rank, size, 40, dtype, out)) for rank in range(size)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for call in range(40):
+        expected = sum(tensors(rank, call, dtype).float() for rank in range(size)).to(dtype)
+        for rank in range(size):
+            assert results[rank][call] == results[0][call]  # the same bits everywhere
+        torch.testing.assert_close(torch.tensor(results[0][call]).to(dtype), expected)
+
+
+def test_abort_ends_a_wait_on_a_dead_peer(tmp_path):
+    path = str(tmp_path / "segment")
+    ShmAllReduce.create(path, 2)
+    waiting, peer = ShmAllReduce(path, 0, 2, timeout=30), ShmAllReduce(path, 1, 2, timeout=30)
+    peer.abort()  # what rank 0's watcher does when rank 1's process dies
+    with pytest.raises(RuntimeError, match="a tensor-parallel rank died"):
+        waiting.all_reduce(torch.ones(4))
