@@ -68,9 +68,7 @@ class Executor(ABC):
         """Start ranks 1..N-1 and join them as rank 0; returns once every rank has joined."""
         device = rank_device(self.config, 0)
         if device.type == "cuda":
-            if torch.cuda.device_count() < self.size:
-                raise ConfigError(f"--tensor-parallel-size {self.size} needs {self.size} GPUs; this machine has "
-                                  f"{torch.cuda.device_count()}")
+            self._check_gpus()
             torch.cuda.set_device(device)
         init_method = self._start_workers()
         atexit.register(self.shutdown)  # an LLM left open still stops its ranks cleanly at exit
@@ -135,8 +133,17 @@ class Executor(ABC):
         """Readable once a rank has died: an idle engine loop waits on it with its commands."""
         return [self._wake_read]
 
+    def _check_gpus(self) -> None:
+        """Refuse a size the GPUs cannot take (each rank uses ``cuda:<rank>`` of its machine)."""
+        if torch.cuda.device_count() < self.size:
+            raise ConfigError(f"--tensor-parallel-size {self.size} needs {self.size} GPUs; this machine has "
+                              f"{torch.cuda.device_count()}")
+
     def _watch(self) -> None:
-        why = self._wait_for_death()
+        try:
+            why = self._wait_for_death()
+        except Exception as e:  # noqa: BLE001 - a watcher that cannot watch must not leave the engine blind
+            why = f"tensor-parallel ranks cannot be watched any more ({type(e).__name__}: {e})"
         if self._closed:
             return
         self.dead = why

@@ -7,8 +7,8 @@ Ray executor's channel; the processes of one machine take pipes, which are faste
 is a year: an idle server's workers wait in it between requests. A rank that dies closes its sockets, so its
 peers' pending collectives fail at once ("Connection closed by peer") instead of waiting out a timeout.
 
-Ranks that are processes of one machine sum small tensors (a decode step's activations) through shared memory
-instead (``shm_all_reduce.py``); larger ones, and ranks on several machines, through the process group.
+Ranks that are processes of one machine sum (and gather) small tensors (a decode step's activations and
+logits) through shared memory instead (``shm_all_reduce.py``); larger ones, and ranks on several machines, through the process group.
 
 With one rank (the default) nothing is initialised and every collective is the identity.
 """
@@ -91,6 +91,8 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _group.size == 1:
         return x
     x = x.contiguous()
+    if _group.shm is not None and _group.shm.fits(x):
+        return _group.shm.gather_last_dim(x)
     parts = [torch.empty_like(x) for _ in range(_group.size)] if _group.rank == 0 else None
     dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=-1) if parts is not None else x

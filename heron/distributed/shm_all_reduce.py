@@ -1,4 +1,4 @@
-"""All-reduce through shared memory, for tensor-parallel ranks that are processes of one x86 machine.
+"""All-reduce (and gather) through shared memory, for tensor-parallel ranks that are processes of one x86 machine.
 
 gloo's all-reduce over loopback TCP costs ~0.3-1 ms however small the tensor (a decode step's activations are a
 few KiB), and a step makes two per layer: on the CPU that, not the matmuls, bounded a TP=2 step. vLLM's CPU
@@ -60,15 +60,24 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
+        parts = self._exchange(x)
+        torch.sum(parts, dim=0, out=x) if x.dtype == torch.float32 else x.copy_(parts.float().sum(dim=0))
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0 gets every rank's ``x`` concatenated along the last axis; the other ranks get their own back."""
+        parts = self._exchange(x)
+        return torch.cat(parts.unbind(0), dim=-1) if self.rank == 0 else x
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Publish ``x`` in this rank's slot and wait for every rank's; returns the slots as [size, *x.shape]."""
         self.calls += 1
         nbytes = x.numel() * x.element_size()
         slots = self.slots[self.calls % 2]
         slots[self.rank, :nbytes].copy_(x.view(-1).view(torch.uint8))
         self.flags[self.rank] = self.calls  # after the data: x86 keeps stores in order
         self._wait(self.calls)
-        parts = slots[:, :nbytes].view(x.dtype).view(self.size, *x.shape)
-        torch.sum(parts, dim=0, out=x) if x.dtype == torch.float32 else x.copy_(parts.float().sum(dim=0))
-        return x
+        return slots[:, :nbytes].view(x.dtype).view(self.size, *x.shape)
 
     def abort(self) -> None:
         """Make every rank's waiting call fail (a peer died)."""

@@ -24,6 +24,7 @@ DEPLOY = ROOT / "deploy"
 DOCKERFILES = [DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cuda"]
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_CUDA = DEPLOY / "docker-compose.cuda.yml"
+COMPOSE_RAY = DEPLOY / "docker-compose.ray.yml"
 
 
 def _serve_config(argv: list[str]) -> tuple[EngineConfig, argparse.Namespace]:
@@ -160,12 +161,63 @@ def _compose_cli() -> list[str] | None:
 
 
 @pytest.mark.skipif(_compose_cli() is None, reason="neither `docker compose` nor `docker-compose` is installed")
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_CUDA]], ids=["cpu", "cuda"])
-def test_compose_config_validates(files):
+@pytest.mark.parametrize(("files", "service"), [([COMPOSE], "heron"), ([COMPOSE, COMPOSE_CUDA], "heron"),
+                                                ([COMPOSE_RAY], "ray-head")], ids=["cpu", "cuda", "ray"])
+def test_compose_config_validates(files, service):
     flags = [arg for path in files for arg in ("-f", str(path))]
     result = subprocess.run([*_compose_cli(), *flags, "config"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert yaml.safe_load(result.stdout)["services"]["heron"]["command"][:2] == ["--model", DEFAULT_MODEL]
+    assert yaml.safe_load(result.stdout)["services"][service]["command"][:2] == ["--model", DEFAULT_MODEL]
+
+
+def _ray_services() -> dict:
+    """deploy/docker-compose.ray.yml's services, with ${VAR:-default} and $$ resolved as compose does."""
+    def resolve(value):
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        return _expand(value).replace("$$", "$") if isinstance(value, str) else value
+
+    services = yaml.safe_load(COMPOSE_RAY.read_text())["services"]
+    return {name: {key: resolve(value) for key, value in spec.items()} for name, spec in services.items()}
+
+
+def test_dockerfile_adds_ray_on_request_before_the_source():
+    instructions = _instructions(DEPLOY / "Dockerfile")
+    assert ("ARG", 'WITH_RAY=""') in instructions, "the default image stays without Ray"
+    ray_at = next(i for i, (word, rest) in enumerate(instructions) if word == "RUN" and '"ray>=' in rest)
+    assert ray_at < instructions.index(("COPY", ". .")), "a source change must not rebuild Ray's layer"
+
+
+def test_compose_ray_runs_heron_on_a_two_node_ray_cluster():
+    services = _ray_services()
+    head, worker = services["ray-head"], services["ray-worker"]
+    for service in (head, worker):  # one image, with Ray
+        assert service["build"] == {"context": "..", "dockerfile": "deploy/Dockerfile",
+                                    "args": {"WITH_RAY": "1"}}
+        assert service["image"] == "heron:cpu-ray" and service["shm_size"]
+    assert "8000:8000" in head["ports"] and {"HF_TOKEN", "HERON_API_KEY"} <= set(head["environment"])
+    config, args = _serve_config(head["command"])
+    assert (config.model, config.distributed_executor_backend, args.port) == (DEFAULT_MODEL, "ray", 8000)
+    # SmolLM2's 3 KV heads split in 3; its GGUF blocks do not shard, so they are requantized
+    assert (config.tensor_parallel_size, config.quantization) == (3, "int8")
+    assert "ray start --head --port=6379 --num-cpus=0" in head["entrypoint"][2]
+    assert worker["entrypoint"][:3] == ["ray", "start", "--block"]
+    assert worker["command"] == ["--address=ray-head:6379"] and worker["depends_on"] == ["ray-head"]
+    assert worker["healthcheck"] == {"disable": True}
+
+
+def test_compose_ray_head_starts_ray_then_serves_with_its_command(tmp_path):
+    """The head's entrypoint script, run with stand-ins for `ray` and `heron`: `command:` reaches
+    `heron serve` as is (compose's `$$@` is the shell's `"$@"`)."""
+    for tool in ("ray", "heron"):
+        stub = tmp_path / tool
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp_path}/{tool}.args"\n')
+        stub.chmod(0o755)
+    head = _ray_services()["ray-head"]
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    subprocess.run([*head["entrypoint"], *head["command"]], check=True, env=env, timeout=30)
+    assert (tmp_path / "ray.args").read_text().split()[:2] == ["start", "--head"]
+    assert (tmp_path / "heron.args").read_text().splitlines() == ["serve", *head["command"]]
 
 
 def _docker_daemon_up() -> bool:

@@ -53,3 +53,25 @@ def test_abort_ends_a_wait_on_a_dead_peer(tmp_path):
     peer.abort()  # what rank 0's watcher does when rank 1's process dies
     with pytest.raises(RuntimeError, match="a tensor-parallel rank died"):
         waiting.all_reduce(torch.ones(4))
+
+
+def gather_many(path: str, rank: int, size: int, out) -> None:
+    shm = ShmAllReduce(path, rank, size, timeout=30)
+    out.put((rank, [shm.gather_last_dim(tensors(rank, call, torch.float32)).tolist() for call in range(8)]))
+
+
+def test_gather_gives_rank_0_every_part_in_rank_order(tmp_path):
+    path = str(tmp_path / "segment")
+    ShmAllReduce.create(path, 2)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=gather_many, args=(path, rank, 2, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for call in range(8):
+        parts = [tensors(rank, call, torch.float32) for rank in range(2)]
+        assert torch.equal(torch.tensor(results[0][call]), torch.cat(parts, dim=-1))
+        assert torch.equal(torch.tensor(results[1][call]), parts[1])
