@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -159,9 +160,9 @@ def main() -> None:
             result["batches"][str(batch)] = {"tokens_per_s": rates, "all_reduce_ms": reduce_ms[str(batch)]}
             print(batch, result["batches"][str(batch)], flush=True)
     stamp = datetime.datetime.now().strftime("%H%M%S")
-    save(f"tp_{stamp}", result)
+    saved = json.loads(save(f"tp_{stamp}", result).read_text())
     if args.write_docs:
-        print(f"wrote {write_docs(render_section(result), DOCS)}")
+        print(f"wrote {write_docs(render_section(saved), DOCS)}")
 
 
 if __name__ == "__main__":
