@@ -21,24 +21,30 @@ def tensors(rank: int, call: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * call + rank)).to(dtype)
 
 
-def reduce_many(path: str, rank: int, size: int, calls: int, dtype: torch.dtype, out) -> None:
+def run_rank(path: str, rank: int, size: int, calls: int, dtype: torch.dtype, op: str, out) -> None:
     shm = ShmAllReduce(path, rank, size, timeout=30)
     # as lists: a tensor put in a queue would be shared through a file descriptor this process takes along
-    out.put((rank, [shm.all_reduce(tensors(rank, call, dtype)).float().tolist() for call in range(calls)]))
+    out.put((rank, [getattr(shm, op)(tensors(rank, call, dtype)).float().tolist() for call in range(calls)]))
 
 
-@pytest.mark.parametrize("size, dtype", [(2, torch.float32), (3, torch.bfloat16)])
-def test_every_rank_gets_the_sum(size, dtype, tmp_path):
+def run_ranks(tmp_path, size: int, calls: int, dtype: torch.dtype, op: str) -> dict[int, list]:
+    """Each rank's results of ``calls`` calls of ``op``, from ``size`` processes sharing one segment."""
     path = str(tmp_path / "segment")
     ShmAllReduce.create(path, size)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=reduce_many, args=(path, rank, size, 40, dtype, out)) for rank in range(size)]
+    procs = [ctx.Process(target=run_rank, args=(path, rank, size, calls, dtype, op, out)) for rank in range(size)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
+    return results
+
+
+@pytest.mark.parametrize("size, dtype", [(2, torch.float32), (3, torch.bfloat16)])
+def test_every_rank_gets_the_sum(size, dtype, tmp_path):
+    results = run_ranks(tmp_path, size, 40, dtype, "all_reduce")
     for call in range(40):
         expected = sum(tensors(rank, call, dtype).float() for rank in range(size)).to(dtype)
         for rank in range(size):
@@ -55,22 +61,8 @@ def test_abort_ends_a_wait_on_a_dead_peer(tmp_path):
         waiting.all_reduce(torch.ones(4))
 
 
-def gather_many(path: str, rank: int, size: int, out) -> None:
-    shm = ShmAllReduce(path, rank, size, timeout=30)
-    out.put((rank, [shm.gather_last_dim(tensors(rank, call, torch.float32)).tolist() for call in range(8)]))
-
-
 def test_gather_gives_rank_0_every_part_in_rank_order(tmp_path):
-    path = str(tmp_path / "segment")
-    ShmAllReduce.create(path, 2)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=gather_many, args=(path, rank, 2, out)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
+    results = run_ranks(tmp_path, 2, 8, torch.float32, "gather_last_dim")
     for call in range(8):
         parts = [tensors(rank, call, torch.float32) for rank in range(2)]
         assert torch.equal(torch.tensor(results[0][call]), torch.cat(parts, dim=-1))
