@@ -22,15 +22,18 @@ def vocab_rows(vocab_size: int) -> int:
     return -(-vocab_size // get_tp_group().size)
 
 
-def vocab_part(loaded: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """This rank's rows of a checkpoint tensor with one row per token, zero-padded to ``vocab_rows``."""
+def vocab_part(loaded, vocab_size: int):
+    """This rank's rows of a checkpoint tensor (or GGUF blocks) with one row per token, zero-padded to
+    ``vocab_rows``."""
     tp = get_tp_group()
     if tp.size == 1:
         return loaded
     rows = vocab_rows(vocab_size)
-    start = tp.rank * rows
-    part = loaded[start:start + rows]
-    return F.pad(part, (0, 0, 0, rows - part.shape[0])) if part.shape[0] < rows else part
+    start = min(tp.rank * rows, vocab_size)
+    part = loaded.narrow(0, start, min(rows, vocab_size - start))
+    if part.shape[0] == rows:
+        return part
+    return F.pad(part, (0, 0, 0, rows - part.shape[0])) if isinstance(part, torch.Tensor) else part.padded_rows(rows)
 
 
 class VocabParallelEmbedding(nn.Module):

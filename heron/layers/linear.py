@@ -56,8 +56,7 @@ class LinearBase(nn.Module):
         self.sharded = input_part != WHOLE or any(p != WHOLE for p in self.output_parts)
         if self.sharded and not self.quant_method.tensor_parallel:
             raise ConfigError(f"{type(self.quant_method).__name__} weights cannot be sharded for tensor "
-                              "parallelism yet; use --tensor-parallel-size 1 (a GGUF file loads sharded with "
-                              "--quantization none, or int8 / int4)")
+                              "parallelism yet; use --tensor-parallel-size 1")
         self.input_size = _part_size(input_size, input_part, "a layer's input")
         self.output_sizes = [_part_size(size, part, "a layer's output")
                              for size, part in zip(output_sizes, self.output_parts, strict=True)]

@@ -38,6 +38,24 @@ class GGUFWeight:
         """float32 [rows, cols], by the ``gguf`` package."""
         return torch.from_numpy(dequantize(self.blocks, self.qtype).reshape(self.shape))
 
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        """Rows (``dim`` 0) or columns (``dim`` 1, whole blocks only) ``[start, start + length)``: a tensor-
+        parallel part, as ``torch.Tensor.narrow``."""
+        rows, cols = self.shape
+        if dim == 0:
+            return GGUFWeight(self.blocks[start:start + length], self.qtype, (length, cols))
+        per_block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        if start % per_block or length % per_block:
+            raise ValueError(f"{self.qtype.name} blocks hold {per_block} columns: a tensor-parallel part of "
+                             f"{length} columns from column {start} would cut through them")
+        first = start // per_block * block_bytes
+        return GGUFWeight(self.blocks[:, first:first + length // per_block * block_bytes], self.qtype, (rows, length))
+
+    def padded_rows(self, rows: int) -> GGUFWeight:
+        """The weight with zero rows appended up to ``rows`` (all-zero blocks: zero scales, so zero weights)."""
+        pad = np.zeros((rows - self.shape[0], self.blocks.shape[1]), dtype=self.blocks.dtype)
+        return GGUFWeight(np.concatenate([self.blocks, pad]), self.qtype, (rows, self.shape[1]))
+
 
 def _split(blocks: np.ndarray, *sizes: int) -> list[np.ndarray]:
     """Per-block fields of the given byte sizes (the rest last); blocks: uint8 [n, block bytes]."""
@@ -132,11 +150,14 @@ class GGUFLinearMethod(PackedIntLinearMethod):
     projection's type has an exact packed form, else dequantized to the model dtype (a dense layer)."""
 
     quantizes_lm_head = True  # llama.cpp files quantize the output projection (or the tied embedding)
+    tensor_parallel = True  # rows cut anywhere, columns at block boundaries
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
-        """A placeholder ``weight`` the loader fills with the blocks of each projection (see ``load``)."""
-        layer.register_parameter("weight", linear_parameter(torch.empty(0, dtype=torch.uint8)))
+        """A placeholder ``weight`` the loader fills with the blocks of each projection (see ``load``); its axes
+        are named so that tensor parallelism cuts the blocks (``GGUFWeight.narrow``)."""
+        layer.register_parameter("weight", linear_parameter(torch.empty(0, dtype=torch.uint8), output_dim=0,
+                                                            input_dim=1))
         layer.gguf_weights = [None] * len(output_sizes)
 
     def load(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id: int | None) -> None:

@@ -198,8 +198,8 @@ def test_compose_ray_runs_heron_on_a_two_node_ray_cluster():
     assert "8000:8000" in head["ports"] and {"HF_TOKEN", "HERON_API_KEY"} <= set(head["environment"])
     config, args = _serve_config(head["command"])
     assert (config.model, config.distributed_executor_backend, args.port) == (DEFAULT_MODEL, "ray", 8000)
-    # SmolLM2's 3 KV heads split in 3; its GGUF blocks do not shard, so they are requantized
-    assert (config.tensor_parallel_size, config.quantization) == (3, "int8")
+    # SmolLM2's 3 KV heads split in 3, each rank keeping its part of the Q4_1 blocks
+    assert (config.tensor_parallel_size, config.quantization) == (3, "gguf")
     assert "ray start --head --port=6379 --num-cpus=0" in head["entrypoint"][2]
     assert worker["entrypoint"][:3] == ["ray", "start", "--block"]
     assert worker["command"] == ["--address=ray-head:6379"] and worker["depends_on"] == ["ray-head"]

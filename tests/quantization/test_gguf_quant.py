@@ -56,6 +56,22 @@ def test_blocks_decode_exactly_as_the_gguf_package_does(qtype):
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
+def test_tensor_parallel_parts_are_whole_blocks_of_the_weight(qtype):
+    weight = random_blocks(qtype, 12, 1024)
+    dense = weight.dequantize()
+    rows = weight.narrow(0, 4, 4)
+    assert rows.shape == (4, 1024) and torch.equal(rows.dequantize(), dense[4:8])
+    cols = weight.narrow(1, 512, 512)  # whole blocks of every type (the K-quants hold 256)
+    assert cols.shape == (12, 512) and torch.equal(cols.dequantize(), dense[:, 512:])
+    per_block = GGML_QUANT_SIZES[qtype][0]
+    with pytest.raises(ValueError, match=f"{qtype.name} blocks hold {per_block} columns"):
+        weight.narrow(1, per_block // 2, per_block)
+    padded = rows.padded_rows(7)  # a vocabulary part padded with zero rows
+    assert padded.shape == (7, 1024) and torch.equal(padded.dequantize()[:4], dense[4:8])
+    assert not padded.dequantize()[4:].any()
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
 def test_packed_layout_round_trips(qtype):
     shard = int_shard(random_blocks(qtype, 37, 256))  # rows not a multiple of the 16-row tile
     packed = pack(shard)
