@@ -3,7 +3,10 @@
 Sequences with few queries this step (decodes, speculative verification: at most ``MAX_KERNEL_QUERIES``) go
 through the kernel, whose cost grows with the positions each query attends, not with the batch's longest
 context, and which never gathers a context into a new tensor. Long prefill chunks stay on the reference path
-(gather + SDPA), where a blocked matmul beats a per-query loop. The kernel is part of heron's CPU extension
+(gather + SDPA), where a blocked matmul beats a per-query loop: one SDPA call per chunk, so that a chunk's
+result does not depend on the shapes of the others in its step (with packed integer weights, whose activations
+are rounded to int8, any last-bit difference grows into different logits: batched prefill then equals one at a
+time, as long as the token budget cuts the prompt into the same chunks). The kernel is part of heron's CPU extension
 (heron/kernels), built at first use; without a compiler the engine falls back to the reference backend with one
 warning. A float8 pool is written and read by the kernels too: the queries and the output keep the model's
 dtype, and the layer's key scale is folded into the queries, its value scale into the output.
@@ -34,8 +37,8 @@ class CpuPagedBackend(ReferenceBackend):
         begin = starts[:-1].clone()
         end = torch.where(torch.tensor(few), starts[1:], begin)
         meta.backend_data["kernel"] = (begin.to(torch.int32), end.to(torch.int32), all(few))
-        many = [b for b, f in enumerate(few) if not f]
-        meta.backend_data["groups"] = [self._group(meta, many)] if many else []
+        # one SDPA call per long chunk, of its own shape: padded beside others, its result would depend on them
+        meta.backend_data["groups"] = [self._group(meta, [b]) for b, f in enumerate(few) if not f]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:

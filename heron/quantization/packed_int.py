@@ -197,4 +197,6 @@ def integer_kernel() -> str:
         return "no CPU kernels: dequantized per matmul"
     if {"avx512_vnni", "avx512bw"} <= cpu_flags():
         return "int8-dot kernel (AVX-512 VNNI)"
-    return "int8-dot kernel (portable C++: no AVX-512 VNNI here, slow)"
+    if {"avx2", "fma", "f16c"} <= cpu_flags():
+        return "int8-dot kernel (AVX2)"
+    return "int8-dot kernel (portable C++: no AVX-512 VNNI or AVX2 here, slow)"

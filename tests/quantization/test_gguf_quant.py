@@ -94,6 +94,20 @@ def test_kernel_computes_its_arithmetic(qtype, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_products_at_the_extremes_do_not_saturate(bits):
+    # the largest weights against +-127 activations: an AVX2 pair sum of u8 x s8 products into int16 would
+    # saturate for 8-bit weights without the kernel's offset
+    top = 2 ** bits - 1
+    q = torch.tensor([[top, top, top, top] * 8, [0, top] * 16, [top, 0, 0, top] * 8], dtype=torch.uint8)
+    q = q.repeat(6, 2)  # 18 rows of 64 inputs
+    shard = IntShard(q, torch.full((18, 2), 0.5), torch.full((18, 2), -1.0), bits, 32)
+    x = torch.tensor([1.0, -1.0, 1.0, 1.0] * 16).repeat(3, 1) * torch.tensor([[1.0], [-1.0], [3.0]])
+    y = packed_int.linear(x, pack(shard))
+    torch.testing.assert_close(y.double(), kernel_reference(x, shard), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
 def test_kernel_rows_do_not_depend_on_their_batch(qtype):
     """Bit for bit, in a batch of any size: greedy output cannot depend on batching or prefix-cache hits."""

@@ -2,7 +2,8 @@
 // w[n, k] = scale[n, g] * q[n, k] + min[n, g], q unsigned 4- or 8-bit, tiles of 16 output rows whose lanes hold
 // 4 consecutive inputs. Activations are quantized to int8 per 32 inputs (as llama.cpp's q8 blocks), so
 //   sum_k w x ~= sum_g scale_g * sum_b dx_b * sum_{k in b} q_k qx_k + min_g * sum_{k in g} dx qx
-// and the inner sum is one AVX-512 VNNI instruction per 16 rows x 4 inputs (u8 weights x s8 activations).
+// and the inner sum is one AVX-512 VNNI instruction per 16 rows x 4 inputs (u8 weights x s8 activations), or
+// two AVX2 instructions per 8 rows x 4 inputs where there is no VNNI.
 #include "float_rows.h"
 
 #include <ATen/Parallel.h>
@@ -145,7 +146,85 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
     for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (t * MT + m) * kRows, acc[t][m]);
 }
 
-#else  // portable form of the same arithmetic (no AVX-512 VNNI): slower, same results
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The same products with AVX2 (no VNNI): 8 rows (half a tile, 32 bytes) at a time, VPMADDUBSW (u8 x s8 pairs
+// into int16) then VPMADDWD by ones (4 inputs of a row into its int32 lane), as llama.cpp's AVX2 dot products.
+// 4-bit: a 32-input block's int16 pair sums stay below 2**15 (8 x 15 x 127 per lane), so they are widened once
+// per block. 8-bit: an unsigned weight x int8 pair could overflow int16, so the weight is taken as
+// w - 128 (signed, its magnitude on the unsigned side, its sign moved to x) and 128 * sum(x) added back.
+template <int BITS, int MT, int NT, typename S>
+void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
+              const QuantizedActivations& a, int64_t m0, float* out) {
+  constexpr int64_t kStep = BITS == 8 ? 4 : 8;  // inputs per 64-byte step
+  const int64_t sub = std::min(G, kActBlock), groups = Kp / G;
+  const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* qx[MT];
+  const float* xs[MT];
+  const float* gs[MT];
+  for (int m = 0; m < MT; ++m) {
+    qx[m] = a.q.data() + (m0 + m) * Kp;
+    xs[m] = a.scale.data() + (m0 + m) * Kp / kActBlock;
+    gs[m] = a.group_sum.data() + (m0 + m) * Kp / G;
+  }
+  for (int t = 0; t < NT; ++t) {
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* wt = w + t * tile_bytes + half * 32;
+      __m256 acc[MT];
+      for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t kb = g * G; kb < (g + 1) * G; kb += sub) {
+          __m256i dot[MT];
+          if constexpr (BITS == 8) {
+            for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
+            for (int64_t k = kb; k < kb + sub; k += kStep) {
+              const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (k / kStep) * 64)), flip);
+              const __m256i magnitude = _mm256_abs_epi8(v);
+              for (int m = 0; m < MT; ++m) {
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(qx[m] + k), v));
+                dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs, ones));
+              }
+            }
+            for (int m = 0; m < MT; ++m) {
+              int32_t sum = 0;
+              for (int64_t k = kb; k < kb + sub; ++k) sum += qx[m][k];
+              dot[m] = _mm256_add_epi32(dot[m], _mm256_set1_epi32(128 * sum));
+            }
+          } else {
+            __m256i pairs[MT];
+            for (int m = 0; m < MT; ++m) pairs[m] = _mm256_setzero_si256();
+            for (int64_t k = kb; k < kb + sub; k += kStep) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + (k / kStep) * 64));
+              const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+              for (int m = 0; m < MT; ++m)
+                pairs[m] = _mm256_add_epi16(pairs[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(qx[m] + k)),
+                                                                       _mm256_maddubs_epi16(hi, broadcast4(qx[m] + k + 4))));
+            }
+            for (int m = 0; m < MT; ++m) dot[m] = _mm256_madd_epi16(pairs[m], ones);
+          }
+          const __m256 ws = load8(scales + (t * groups + g) * kRows + half * 8);
+          for (int m = 0; m < MT; ++m)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[m][kb / kActBlock])), acc[m]);
+        }
+        const __m256 ms = load8(mins + (t * groups + g) * kRows + half * 8);
+        for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(ms, _mm256_set1_ps(gs[m][g]), acc[m]);
+      }
+      for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + (t * MT + m) * kRows + half * 8, acc[m]);
+    }
+  }
+}
+
+#else  // portable form of the same arithmetic (no AVX-512 VNNI, no AVX2): slower, same results
 
 template <int BITS, int MT, int NT, typename S>
 void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
