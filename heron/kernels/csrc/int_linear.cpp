@@ -73,13 +73,31 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K, int6
   return a;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Activation rows m0 .. m0 + MT - 1: their int8 values, scales per 32 inputs and sums per weight group.
+template <int MT>
+struct ActivationRows {
+  const int8_t* q[MT];
+  const float* scale[MT];
+  const float* group_sum[MT];
+  ActivationRows(const QuantizedActivations& a, int64_t m0, int64_t Kp, int64_t G) {
+    for (int m = 0; m < MT; ++m) {
+      q[m] = a.q.data() + (m0 + m) * Kp;
+      scale[m] = a.scale.data() + (m0 + m) * Kp / kActBlock;
+      group_sum[m] = a.group_sum.data() + (m0 + m) * Kp / G;
+    }
+  }
+};
 
-inline __m512i broadcast4(const int8_t* p) {
+// Four consecutive int8 activations as one 32-bit lane (to broadcast against 4 inputs of every row).
+inline int32_t four_bytes(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return v;
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
 
 // out[t][m][16] = the 16 rows of NT consecutive tiles times MT activation rows: int8 dot products into
 // 2 * NT * MT independent int32 accumulators (enough chains to hide VPDPBUSD's latency), scaled in float32.
@@ -88,16 +106,11 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
               const QuantizedActivations& a, int64_t m0, float* out) {
   constexpr int64_t kStep = BITS == 8 ? 4 : 8;  // inputs per 64-byte step
   const int64_t sub = std::min(G, kActBlock), groups = Kp / G;
-  const int8_t* qx[MT];
-  const float* xs[MT];
-  const float* gs[MT];
+  const ActivationRows<MT> rows(a, m0, Kp, G);
+  const auto &qx = rows.q, &xs = rows.scale, &gs = rows.group_sum;
   __m512 acc[NT][MT];
-  for (int m = 0; m < MT; ++m) {
-    qx[m] = a.q.data() + (m0 + m) * Kp;
-    xs[m] = a.scale.data() + (m0 + m) * Kp / kActBlock;
-    gs[m] = a.group_sum.data() + (m0 + m) * Kp / G;
+  for (int m = 0; m < MT; ++m)
     for (int t = 0; t < NT; ++t) acc[t][m] = _mm512_setzero_ps();
-  }
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t kb = g * G; kb < (g + 1) * G; kb += sub) {
@@ -151,11 +164,7 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 
 // The same products with AVX2 (no VNNI): 8 rows (half a tile, 32 bytes) at a time, VPMADDUBSW (u8 x s8 pairs
 // into int16) then VPMADDWD by ones (4 inputs of a row into its int32 lane), as llama.cpp's AVX2 dot products.
@@ -169,14 +178,8 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
   const int64_t sub = std::min(G, kActBlock), groups = Kp / G;
   const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* qx[MT];
-  const float* xs[MT];
-  const float* gs[MT];
-  for (int m = 0; m < MT; ++m) {
-    qx[m] = a.q.data() + (m0 + m) * Kp;
-    xs[m] = a.scale.data() + (m0 + m) * Kp / kActBlock;
-    gs[m] = a.group_sum.data() + (m0 + m) * Kp / G;
-  }
+  const ActivationRows<MT> rows(a, m0, Kp, G);
+  const auto &qx = rows.q, &xs = rows.scale, &gs = rows.group_sum;
   for (int t = 0; t < NT; ++t) {
     for (int half = 0; half < 2; ++half) {
       const uint8_t* wt = w + t * tile_bytes + half * 32;
