@@ -55,13 +55,14 @@ class MixedStep:
                           zip(self.queries, keys or self.keys, values or self.values, strict=True)])
 
 
-def mixed_step(backend: AttentionBackend, cache: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> MixedStep:
-    """Random queries, keys and values of ``dtype`` for ``STEP`` over scattered blocks of ``cache``; the cached
-    part of each context is stored through ``backend`` (as earlier steps would have)."""
+def mixed_step(backend: AttentionBackend, cache: torch.Tensor, dtype: torch.dtype, seed: int = 0,
+               shape: list[tuple[int, int]] = STEP) -> MixedStep:
+    """Random queries, keys and values of ``dtype`` for ``shape`` (``STEP``) over scattered blocks of ``cache``;
+    the cached part of each context is stored through ``backend`` (as earlier steps would have)."""
     g = torch.Generator().manual_seed(seed)
     free = torch.randperm(cache.shape[1], generator=g).tolist()  # scattered blocks: tables are not contiguous
     tables, queries, keys, values, slots = [], [], [], [], []
-    for cached, new in STEP:
+    for cached, new in shape:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // BLOCK))]
         tables.append(table)
@@ -73,15 +74,15 @@ def mixed_step(backend: AttentionBackend, cache: torch.Tensor, dtype: torch.dtyp
         keys.append(k)
         values.append(v)
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
-    query_lens = [new for _, new in STEP]
-    context_lens = [cached + new for cached, new in STEP]
+    query_lens = [new for _, new in shape]
+    context_lens = [cached + new for cached, new in shape]
     width = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(starts, torch.tensor(context_lens, dtype=torch.int32), block_table,
                              torch.tensor(slots), query_lens, context_lens, BLOCK)
-    new_k = torch.cat([k[cached:] for k, (cached, _) in zip(keys, STEP, strict=True)])
-    new_v = torch.cat([v[cached:] for v, (cached, _) in zip(values, STEP, strict=True)])
+    new_k = torch.cat([k[cached:] for k, (cached, _) in zip(keys, shape, strict=True)])
+    new_v = torch.cat([v[cached:] for v, (cached, _) in zip(values, shape, strict=True)])
     return MixedStep(torch.cat(queries), new_k, new_v, meta, queries, keys, values)
 
 
@@ -96,3 +97,22 @@ def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window, dt
     out = backend.forward(step.q, step.k, step.v, cache, step.meta, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 output rounding
     torch.testing.assert_close(out.float(), step.dense(window), atol=tol, rtol=tol)
+
+
+def test_cpu_paged_long_chunks_do_not_depend_on_their_companions():
+    # chunks of more queries than the kernel takes go through SDPA: each in a call of its own shape, so its rows
+    # are bit for bit those of the chunk alone (packed integer weights round activations to int8, and would grow
+    # a last-bit difference into other logits)
+    backend = get_attention_backend("cpu_paged")
+    cache = torch.zeros(backend.kv_cache_shape(64, BLOCK, KV_HEADS, DIM))
+    step = mixed_step(backend, cache, torch.float32, shape=[(0, 40), (9, 23), (0, 17), (30, 1)])
+    backend.prepare(step.meta)
+    together = backend.forward(step.q, step.k, step.v, cache, step.meta)
+    meta, starts = step.meta, step.meta.query_start_loc.tolist()
+    for b in range(meta.num_seqs):
+        rows = slice(starts[b], starts[b + 1])
+        alone = AttentionMetadata(torch.tensor([0, rows.stop - rows.start], dtype=torch.int32),
+                                  meta.seq_lens[b:b + 1], meta.block_table[b:b + 1], meta.slot_mapping[rows],
+                                  meta.query_lens[b:b + 1], meta.context_lens[b:b + 1], BLOCK)
+        backend.prepare(alone)
+        assert torch.equal(backend.forward(step.q[rows], step.k[rows], step.v[rows], cache, alone), together[rows])
