@@ -274,6 +274,9 @@ class MultiprocExecutor(Executor):
             reason = f": {self.errors[rank].recv()}"
         except EOFError:  # it died without a word (a signal, or before it could say)
             reason = ""
+        if code == 1 and not reason:  # Python failed before heron's code ran in the rank: mostly this
+            reason = (" before heron's code ran in it (its traceback is above): under multiprocessing's spawn a "
+                      "script that starts heron must keep its top level under `if __name__ == \"__main__\":`")
         return f"tensor-parallel rank {rank} (pid {process.pid}) {how}{reason}"
 
     def _stop_workers(self) -> None:

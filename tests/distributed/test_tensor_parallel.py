@@ -4,6 +4,8 @@ chunked prefill and preemption; bad degrees fail at start with one message and l
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,3 +141,14 @@ def test_default_model_in_three_ranks(quantization, smollm2_path):
     # by 1 + 1e-6 moves this prompt's logprobs by up to 0.1 at TP=1 (dense: not at all)
     atol = 0.3 if quantization == "gguf" else 1e-3
     torch.testing.assert_close(torch.tensor(lps[1]), torch.tensor(lps[0]), atol=atol, rtol=0)
+
+
+def test_script_without_main_guard_is_told_why_its_ranks_die(tiny_model_dir, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text("import sys\nfrom heron import LLM\n"
+                      "LLM(sys.argv[1], dtype='float32', tensor_parallel_size=2)\n")
+    run = subprocess.run([sys.executable, str(script), str(tiny_model_dir("llama"))], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0
+    assert "exited with code 1 before heron's code ran in it" in run.stderr, run.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in run.stderr
