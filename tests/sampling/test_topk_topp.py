@@ -12,10 +12,13 @@ CHI2_CRIT_999 = {9: 27.877, 19: 43.820}
 
 
 def reference_kept(logits: torch.Tensor, k: int, p: float) -> set[int]:
-    """The kept token ids of one row: the k best (k < 0: all), then the smallest prefix of mass >= p."""
+    """The kept token ids of one row: the k best (k < 0: all), then the smallest prefix of mass >= p (p = 1:
+    all of them, as vLLM's top_p = 1 is off; a float64 cumsum can reach 1 before a peaked row's tail)."""
     order = logits.argsort(descending=True)
     if k > 0:
         order = order[:k]
+    if p >= 1:
+        return set(order.tolist())
     probs = torch.softmax(logits[order].double(), dim=0)
     mass_before = probs.cumsum(0) - probs
     return set(order[: int((mass_before < p).sum())].tolist())
