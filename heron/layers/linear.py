@@ -78,10 +78,13 @@ class LinearBase(nn.Module):
         if not self.sharded:
             return loaded
         output_dim, input_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
-        if output_dim is not None:
-            loaded = narrow_part(loaded, output_dim, self.output_parts[shard_id or 0])
-        if input_dim is not None:
-            loaded = narrow_part(loaded, input_dim, self.input_part)
+        try:
+            if output_dim is not None:
+                loaded = narrow_part(loaded, output_dim, self.output_parts[shard_id or 0])
+            if input_dim is not None:
+                loaded = narrow_part(loaded, input_dim, self.input_part)
+        except ValueError as e:  # e.g. a part that would cut through a GGUF block
+            raise ConfigError(f"{e}; choose another --tensor-parallel-size") from e
         return loaded
 
     def _apply(self, fn, recurse=True):

@@ -12,9 +12,9 @@ from gguf import GGML_QUANT_SIZES
 from helpers import heron_logits, write_gguf
 
 from heron import LLM, SamplingParams
-from heron.errors import ModelLoadError
+from heron.errors import ConfigError, ModelLoadError
 from heron.kernels import cpu_kernels
-from heron.layers.linear import MergedLinear
+from heron.layers.linear import LinearBase, MergedLinear
 from heron.quantization import packed_int
 from heron.quantization.gguf import KEPT_TYPES, GGUFLinearMethod, GGUFWeight, int_shard
 from heron.quantization.packed_int import ACT_BLOCK, IntShard, pack
@@ -69,6 +69,13 @@ def test_tensor_parallel_parts_are_whole_blocks_of_the_weight(qtype):
     padded = rows.padded_rows(7)  # a vocabulary part padded with zero rows
     assert padded.shape == (7, 1024) and torch.equal(padded.dequantize()[:4], dense[4:8])
     assert not padded.dequantize()[4:].any()
+
+
+def test_tensor_parallel_part_through_a_block_fails_with_the_flag_to_change():
+    # a row-parallel part of 128 inputs (of 512, in 4 ranks) would cut Q4_K's 256-input blocks
+    layer = LinearBase(512, [32], quant_method=GGUFLinearMethod(), input_part=(1, 4))
+    with pytest.raises(ConfigError, match="Q4_K blocks hold 256 columns.*choose another --tensor-parallel-size"):
+        layer.weight_loader(layer.weight, random_blocks(Q.Q4_K, 32, 512), 0)
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
