@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = sorted(_CSRC.glob("*.cpp"))
+# -fno-trapping-math: GCC leaves loops with float comparisons (min, max, selects) scalar without it; no result
+# changes (heron never reads the floating-point exception flags)
+_CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,14 +37,14 @@ def load_cpu_kernels() -> ModuleType:
 
     from heron.model.default_model import heron_cache_dir
 
-    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags()) + _CFLAGS).encode())
     for source in sorted(_CSRC.glob("*.[ch]*")):  # the headers too
         digest.update(source.read_bytes())
     build_dir = heron_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading heron's CPU kernels (compiled into %s on first use)", build_dir)
     return load(name="heron_cpu_kernels", sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
-                extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS,
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 

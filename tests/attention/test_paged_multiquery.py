@@ -17,13 +17,14 @@ needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="heron's CPU ke
 
 def attend(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype,
            window: int | None, pool_dtype: torch.dtype | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           seed: int = 0, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's output and dense attention's for sequences of (context length, new queries) over scattered
-    blocks of one pool; the pool holds ``pool_dtype`` (keys / k_scale and values / v_scale)."""
+    blocks of one pool; the pool holds ``pool_dtype`` (keys / k_scale and values / v_scale), ``fill`` in the
+    slots no sequence wrote."""
     g = torch.Generator().manual_seed(seed)
     pool_dtype = pool_dtype or dtype
     num_blocks = sum(-(-length // block) for length, _ in seqs) + 2
-    pool = torch.zeros(2, num_blocks, block, kv_heads, dim, dtype=pool_dtype)
+    pool = torch.full((2, num_blocks, block, kv_heads, dim), fill, dtype=pool_dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, queries, expected = [], [], []
     for length, new in seqs:
@@ -82,6 +83,16 @@ def test_kernel_equals_dense_attention_in_float32(threads, step, shape, window):
 @pytest.mark.parametrize("window", [None, 5])
 def test_tiles_across_block_boundaries(threads, block, window):
     out, expected = attend(STEPS["mixed"] + STEPS["verify"], 9, 3, 64, block, torch.float32, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block", [16, 32, 4])
+def test_unwritten_slots_are_never_read(threads, block):
+    """A float32 pool is read in place a tile at a time, the slots past a sequence's end included: what they hold
+    (NaN here, as a freed block may) must not reach any row's output."""
+    out, expected = attend(STEPS["mixed"] + STEPS["tiny"], 9, 3, 64, block, torch.float32, None, fill=float("nan"))
+    assert not out.isnan().any()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -171,6 +171,30 @@ def test_batched_greedy_equals_one_at_a_time(tiny_model_dir, method):
     assert run(prompts) == [run([p])[0] for p in prompts]
 
 
+@pytest.mark.skipif(not INT_KERNEL, reason="needs heron's CPU kernels")
+def test_float32_tokens_and_logprobs_do_not_depend_on_cache_chunks_or_batch(tiny_model_dir):
+    """In float32 every query goes through the paged kernel and every product through the integer kernel, whose
+    rows depend on their own position and input only: a prompt computed alone in one chunk, or in a batch in
+    chunks of a small token budget after its prefix was cached, gives the same bits."""
+    model = str(tiny_model_dir("llama"))
+    common = {"block_size": 8, "dtype": "float32", "quantization": "int8"}
+    alone = LLM(model, enable_prefix_caching=False, **common)
+    shared = LLM(model, enable_prefix_caching=True, max_num_batched_tokens=24, **common)
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 300, (32,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": prefix + torch.randint(3, 300, (n,), generator=g).tolist()}
+               for n in (18, 5, 30, 1)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run(llm, batch):
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in llm.generate(batch, params, use_tqdm=False)]
+
+    expected = [run(alone, [p])[0] for p in prompts]
+    assert run(shared, prompts) == expected  # the shared prefix cached by the first prompt's chunks
+    assert run(shared, prompts[::-1]) == expected[::-1]  # every prompt cached but its last block
+
+
 @pytest.mark.skipif(not INT_KERNEL, reason="without heron's integer kernel every product dequantizes its whole "
                                            "weight: minutes on a real model")
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -46,6 +46,12 @@ using namespace heron;
 
 constexpr int64_t kTile = 16;         // context positions per tile (tiles start at multiples of kTile)
 constexpr int64_t kLanes = 16;        // rows of a row-vector
+// floats in one of the target's vector registers: a wider generic vector is split by GCC through the stack
+#if defined(__AVX512F__)
+constexpr int64_t kVector = 16;
+#else
+constexpr int64_t kVector = 8;
+#endif
 constexpr int64_t kChunk = 4 * kTile;  // context positions per chunk (chunks start at multiples of kChunk)
 constexpr int64_t kUnitQueries = 16;  // a sequence's queries in one unit (more: several units)
 constexpr int64_t kPartsPerThread = 2;  // a split context: about this many items per thread, to even them out
@@ -106,27 +112,34 @@ template <int64_t W>
 inline void store_lanes(float* p, const typename LanesOf<W>::type& x) { std::memcpy(p, &x, sizeof(x)); }
 
 // A tile's scores for the first W rows of a row-vector: s[r * kLanes + l] = q_l . key_r, vectorized over W rows,
-// eight keys at a time (eight independent sums). qt: the rows' queries, transposed ([D][kLanes]); keys: [kTile][D].
+// eight keys at a time (eight independent sums). qt: the rows' queries, transposed ([D][kLanes]); keys: kTile
+// rows of D, key_stride apart.
 // Every (row, key) score is the same sum whatever W (lanes are independent, each summed over d = 0, 1, ... in
 // order): a row's score does not depend on how many rows share its row-vector. W only trims the padding work.
 template <int64_t DC, int64_t W>
-inline void tile_scores(const float* __restrict qt, const float* __restrict keys, float* __restrict s,
-                        int64_t head_dim) {
+inline void tile_scores(const float* __restrict qt, const float* __restrict keys, int64_t key_stride,
+                        float* __restrict s, int64_t head_dim) {
+  if constexpr (W > kVector) {  // wider than a register: each half alone (lanes are independent)
+    tile_scores<DC, W / 2>(qt, keys, key_stride, s, head_dim);
+    tile_scores<DC, W / 2>(qt + W / 2, keys, key_stride, s + W / 2, head_dim);
+    return;
+  }
   using Lanes = typename LanesOf<W>::type;
   const int64_t D = DC > 0 ? DC : head_dim;
   for (int64_t r = 0; r < kTile; r += 8) {
     Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
-    const float* k = keys + r * D;
+    const float* k = keys + r * key_stride;
+    const int64_t S = key_stride;
     for (int64_t d = 0; d < D; ++d) {
       const Lanes qd = load_lanes<W>(qt + d * kLanes);
       a0 += qd * k[d];
-      a1 += qd * k[D + d];
-      a2 += qd * k[2 * D + d];
-      a3 += qd * k[3 * D + d];
-      a4 += qd * k[4 * D + d];
-      a5 += qd * k[5 * D + d];
-      a6 += qd * k[6 * D + d];
-      a7 += qd * k[7 * D + d];
+      a1 += qd * k[S + d];
+      a2 += qd * k[2 * S + d];
+      a3 += qd * k[3 * S + d];
+      a4 += qd * k[4 * S + d];
+      a5 += qd * k[5 * S + d];
+      a6 += qd * k[6 * S + d];
+      a7 += qd * k[7 * S + d];
     }
     store_lanes<W>(s + r * kLanes, a0);
     store_lanes<W>(s + (r + 1) * kLanes, a1);
@@ -140,28 +153,30 @@ inline void tile_scores(const float* __restrict qt, const float* __restrict keys
 }
 
 // A row's accumulator: acc = acc * correction + sum over keys [r0, r1) of the tile, in order, of
-// p[r * p_stride] * value_r. One form for every row (it depends on the head dim only).
+// p[r * p_stride] * value_r (values: kTile rows of D, value_stride apart). One form for every row (it depends on
+// the head dim only).
 template <int64_t DC>
-inline void accumulate(float* __restrict acc, const float* __restrict values, const float* __restrict p,
-                       int64_t p_stride, int64_t r0, int64_t r1, float correction, int64_t head_dim) {
-  if constexpr (DC > 0 && DC % kLanes == 0) {
-    using Lanes = typename LanesOf<kLanes>::type;
-    constexpr int64_t N = DC / kLanes;
+inline void accumulate(float* __restrict acc, const float* __restrict values, int64_t value_stride,
+                       const float* __restrict p, int64_t p_stride, int64_t r0, int64_t r1, float correction,
+                       int64_t head_dim) {
+  if constexpr (DC > 0 && DC % kVector == 0) {
+    using Lanes = typename LanesOf<kVector>::type;
+    constexpr int64_t N = DC / kVector;
     Lanes a[N];
-    for (int64_t c = 0; c < N; ++c) a[c] = load_lanes<kLanes>(acc + c * kLanes) * correction;
+    for (int64_t c = 0; c < N; ++c) a[c] = load_lanes<kVector>(acc + c * kVector) * correction;
     for (int64_t r = r0; r < r1; ++r) {
       const float w = p[r * p_stride];
-      const float* v = values + r * DC;
-      for (int64_t c = 0; c < N; ++c) a[c] += load_lanes<kLanes>(v + c * kLanes) * w;
+      const float* v = values + r * value_stride;
+      for (int64_t c = 0; c < N; ++c) a[c] += load_lanes<kVector>(v + c * kVector) * w;
     }
-    for (int64_t c = 0; c < N; ++c) store_lanes<kLanes>(acc + c * kLanes, a[c]);
+    for (int64_t c = 0; c < N; ++c) store_lanes<kVector>(acc + c * kVector, a[c]);
   } else {
     const int64_t D = DC > 0 ? DC : head_dim;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
     for (int64_t r = r0; r < r1; ++r) {
       const float w = p[r * p_stride];
-      const float* v = values + r * D;
+      const float* v = values + r * value_stride;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
     }
@@ -169,13 +184,15 @@ inline void accumulate(float* __restrict acc, const float* __restrict values, co
 }
 
 // Scores of the positions a row does not attend (before first, after pos) become -inf; the tile starts at j0.
-// Positions of the tile outside the unit's range are attended by none of its rows.
+// Positions of the tile outside the unit's range are attended by none of its rows. W: the row-vector's lanes
+// in use (the rest are padding, never read).
+template <int64_t W>
 inline void mask_tile(float* __restrict s, const int32_t* __restrict pos, const int32_t* __restrict first,
                       int32_t j0) {
   for (int64_t r = 0; r < kTile; ++r) {
     const int32_t j = j0 + static_cast<int32_t>(r);
 #pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) {
+    for (int64_t l = 0; l < W; ++l) {
       const bool ok = (j <= pos[l]) & (j >= first[l]);
       s[r * kLanes + l] = ok ? s[r * kLanes + l] : -std::numeric_limits<float>::infinity();
     }
@@ -186,28 +203,34 @@ inline void mask_tile(float* __restrict s, const int32_t* __restrict pos, const 
 // gets their weights e^(s - new max); the running max and denominator move on, correction = e^(old - new max),
 // exactly 1 where the max stays (so a row with no position in the tile keeps its state bit for bit, and a tile
 // that others' positions bring in changes nothing of its). Each row's sum runs over the tile's keys in order.
+// W: the lanes in use; every loop runs over lanes, so it vectorizes.
+template <int64_t W>
 inline void softmax_step(float* __restrict s, float* __restrict max, float* __restrict denom,
                          float* __restrict correction) {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-  float new_max[kLanes], sum[kLanes] = {};
-  for (int64_t l = 0; l < kLanes; ++l) new_max[l] = max[l];
+  float new_max[W], sum[W] = {};
+  for (int64_t l = 0; l < W; ++l) new_max[l] = max[l];
   for (int64_t r = 0; r < kTile; ++r) {
 #pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) new_max[l] = std::max(new_max[l], s[r * kLanes + l]);
+    for (int64_t l = 0; l < W; ++l) new_max[l] = std::max(new_max[l], s[r * kLanes + l]);
   }
-  for (int64_t l = 0; l < kLanes; ++l) {
+  // the selects compare bits (both maxima are finite; -inf has one code), which GCC vectorizes where it leaves a
+  // ?: between floats scalar
+#pragma omp simd
+  for (int64_t l = 0; l < W; ++l) {
     const float c = exp_approx(max[l] - new_max[l]);
-    correction[l] = max[l] == new_max[l] ? 1.0f : c;
+    correction[l] = float_of(select_bits(bits_of(max[l]) == bits_of(new_max[l]), bits_of(1.0f), bits_of(c)));
   }
   for (int64_t r = 0; r < kTile; ++r) {
-    for (int64_t l = 0; l < kLanes; ++l) {
+#pragma omp simd
+    for (int64_t l = 0; l < W; ++l) {
       const float x = s[r * kLanes + l], e = exp_approx(x - new_max[l]);
-      const float p = x == neg_inf ? 0.0f : e;  // not attended: 0 (e^-87 otherwise)
+      const float p = float_of(select_bits(bits_of(x) == bits_of(neg_inf), 0u, bits_of(e)));  // not attended: 0
       s[r * kLanes + l] = p;
       sum[l] += p;
     }
   }
-  for (int64_t l = 0; l < kLanes; ++l) {
+  for (int64_t l = 0; l < W; ++l) {
     denom[l] = denom[l] * correction[l] + sum[l];
     max[l] = new_max[l];
   }
@@ -248,6 +271,8 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
   const int64_t block_stride = block_size * slot_stride;
   const int64_t value_offset = num_blocks * block_stride;
   const int64_t BS = block_size;
+  // a float32 pool whose blocks hold whole tiles is read where it lies, not copied into float32 scratch first
+  const bool in_place = std::is_same_v<C, float> && BS % kTile == 0;
 
   // The units, their cost (rows x positions), and how many items each is spread over.
   std::vector<Unit> units;
@@ -347,14 +372,24 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
       std::fill(s.denom.begin(), s.denom.end(), 0.0f);
       const int64_t lo = std::max(unit.key_begin, chunk * kChunk), hi = std::min(unit.key_end, (chunk + 1) * kChunk);
       for (int64_t j0 = lo / kTile * kTile; j0 < hi; j0 += kTile) {
-        const int64_t a = std::max(lo, j0), z = std::min(hi, j0 + kTile);  // the tile's positions to read
-        for (int64_t j = a; j < z;) {  // block by block
-          const int64_t offset = j % BS, run = std::min(BS - offset, z - j);
-          const C* src = cache + static_cast<int64_t>(table[j / BS]) * block_stride + offset * slot_stride +
-                         unit.kvh * D;
-          for (int64_t x = 0; x < run; ++x, ++j) {
-            load_row(src + x * slot_stride, s.keys.data() + (j - j0) * D, D);
-            load_row(src + value_offset + x * slot_stride, s.values.data() + (j - j0) * D, D);
+        const float* keys = s.keys.data();
+        const float* values = s.values.data();
+        int64_t row_stride = D;
+        if (in_place) {  // read in the pool: the tile lies in one block; positions no row attends are masked
+          keys = reinterpret_cast<const float*>(cache) + static_cast<int64_t>(table[j0 / BS]) * block_stride +
+                 (j0 % BS) * slot_stride + unit.kvh * D;
+          values = keys + value_offset;
+          row_stride = slot_stride;
+        } else {
+          const int64_t a = std::max(lo, j0), z = std::min(hi, j0 + kTile);  // the tile's positions to read
+          for (int64_t j = a; j < z;) {  // block by block
+            const int64_t offset = j % BS, run = std::min(BS - offset, z - j);
+            const C* src = cache + static_cast<int64_t>(table[j / BS]) * block_stride + offset * slot_stride +
+                           unit.kvh * D;
+            for (int64_t x = 0; x < run; ++x, ++j) {
+              load_row(src + x * slot_stride, s.keys.data() + (j - j0) * D, D);
+              load_row(src + value_offset + x * slot_stride, s.values.data() + (j - j0) * D, D);
+            }
           }
         }
 #if defined(__GNUC__)
@@ -376,23 +411,27 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
           // rows are in position order: skip a vector none of whose rows reach into the tile
           if (pos[nrows - 1] < j0 || first[0] > jlast) continue;
           const float* qt = s.qt.data() + v * D * kLanes;
-          if (nrows <= 4) {
-            tile_scores<DC, 4>(qt, s.keys.data(), sc, D);
-          } else if (nrows <= 8) {
-            tile_scores<DC, 8>(qt, s.keys.data(), sc, D);
-          } else {
-            tile_scores<DC, kLanes>(qt, s.keys.data(), sc, D);
-          }
           // every row of the vector attends every position of the tile: nothing to mask
           const bool full = pos[0] >= jlast && first[nrows - 1] <= j0;
-          if (!full) mask_tile(sc, pos, first, static_cast<int32_t>(j0));
           float correction[kLanes];
-          softmax_step(sc, s.max.data() + row0, s.denom.data() + row0, correction);
+          const auto score = [&](auto width) {
+            constexpr int64_t W = decltype(width)::value;
+            tile_scores<DC, W>(qt, keys, row_stride, sc, D);
+            if (!full) mask_tile<W>(sc, pos, first, static_cast<int32_t>(j0));
+            softmax_step<W>(sc, s.max.data() + row0, s.denom.data() + row0, correction);
+          };
+          if (nrows <= 4) {
+            score(std::integral_constant<int64_t, 4>{});
+          } else if (nrows <= 8) {
+            score(std::integral_constant<int64_t, 8>{});
+          } else {
+            score(std::integral_constant<int64_t, kLanes>{});
+          }
           for (int64_t l = 0; l < nrows; ++l) {
             const int64_t r0 = std::max<int64_t>(0, first[l] - j0), r1 = std::min<int64_t>(kTile, pos[l] - j0 + 1);
             if (r0 >= r1) continue;  // nothing of this row's in the tile: its state is unchanged
-            accumulate<DC>(s.acc.data() + (row0 + l) * D, s.values.data(), sc + l, kLanes, r0, r1, correction[l],
-                           D);
+            accumulate<DC>(s.acc.data() + (row0 + l) * D, values, row_stride, sc + l, kLanes, r0, r1,
+                           correction[l], D);
           }
         }
       }
