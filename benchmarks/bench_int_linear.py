@@ -8,20 +8,26 @@ same weights requantized to 8 bits, and the dense weights in heron's default dty
 it is native, else float32; ``--dtype``) through the path heron takes for them (bfloat16: its one-row kernel up
 to 4 rows, oneDNN's packed GEMM above): where the integer kernel gains (memory-bound small batches) and where
 it loses to the dense GEMM (e.g. AMX bfloat16 tiles against AVX-512 VNNI int8 dots). Results go to
-``benchmarks/results/int_linear_<kernel ISA>.json``.
+``benchmarks/results/int_linear_<kernel ISA>.json`` (or ``--name``).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
+import time
 from functools import partial
+from pathlib import Path
+from types import ModuleType
 
 import torch
+from torch.utils.cpp_extension import load
 
 from benchmarks.bench_roofs import best_seconds
 from benchmarks.common import save
 from heron.engine.memory import resolve_dtype
-from heron.kernels import load_cpu_kernels
+from heron.kernels import _CFLAGS, load_cpu_kernels
 from heron.layers.linear import LinearBase
 from heron.model.loader import load_model
 from heron.quantization.base import dense_linear, onednn_packed
@@ -34,12 +40,43 @@ def as_8bit(packed: PackedInt) -> PackedInt:
     return pack(IntShard(shard.q, shard.scales, shard.mins, 8, shard.group))
 
 
+def baseline_kernels(rev: str) -> ModuleType:
+    """heron's ``int_linear`` as it was at git revision ``rev``, built beside today's (to compare in one run)."""
+    root = Path(__file__).resolve().parents[1]
+    build = Path(tempfile.mkdtemp(prefix="heron-int-linear-"))
+    for name in ("int_linear.cpp", "float_rows.h"):
+        source = subprocess.run(["git", "show", f"{rev}:heron/kernels/csrc/{name}"], cwd=root, check=True,
+                                capture_output=True, text=True).stdout
+        (build / name).write_text(source)
+    with open(build / "int_linear.cpp", "a") as f:
+        f.write('\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int_linear", &int_linear); }\n')
+    return load(name="heron_int_linear_baseline", sources=[str(build / "int_linear.cpp")], build_directory=str(build),
+                extra_include_paths=[str(build)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
+
+
+def best_interleaved(fns: list, repeats: int) -> list[float]:
+    """The fastest of ``repeats`` calls of each function, the functions taking turns (so that a slow spell of a
+    shared machine falls on all of them)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(repeats):
+        for fn, seconds in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return [min(t) for t in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rows", default="1,2,4,8,12,16,24,32,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="auto", help="the dense path's dtype (auto: heron's default here)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also time the kernel of git revision REV, taking turns with today's")
+    parser.add_argument("--name", default=None, help="the result file's name (default: int_linear_<kernel ISA>)")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
@@ -49,7 +86,9 @@ def main() -> None:
     packed8 = [as_8bit(p) if p.bits == 4 else p for p in packed]
     dense = [p.dequantize(dtype) for p in packed]
     onednn = [onednn_packed(w) for w in dense]
-    def integer(weights: list[PackedInt], xs: dict[int, torch.Tensor]) -> None:
+    baseline = baseline_kernels(args.baseline) if args.baseline else None
+
+    def integer(weights: list[PackedInt], xs: dict[int, torch.Tensor], kernels: ModuleType = kernels) -> None:
         for p in weights:
             kernels.int_linear(xs[p.k], p.qweight, p.scales, p.mins, p.bits, p.group, p.n, None)
 
@@ -69,12 +108,19 @@ def main() -> None:
         print(f"{rows:4d} rows: gguf {row['gguf_ms']:7.2f} ms  int8 {row['int8_ms']:7.2f} ms  "
               f"{dtype} {row['dense_ms']:7.2f} ms  gguf speedup {row['gguf_speedup']:.2f}x  "
               f"int8 {row['int8_speedup']:.2f}x", flush=True)
+        if baseline is not None:
+            fns = [partial(integer, w, xs, k) for w in (packed, packed8) for k in (kernels, baseline)]
+            gguf, gguf_base, int8, int8_base = (t * 1e3 for t in best_interleaved(fns, args.repeats))
+            row["against_baseline"] = {"rev": args.baseline, "gguf_ms": gguf, "baseline_gguf_ms": gguf_base,
+                                       "int8_ms": int8, "baseline_int8_ms": int8_base}
+            print(f"      against {args.baseline}, taking turns: gguf {gguf_base:.2f} -> {gguf:.2f} ms "
+                  f"({gguf_base / gguf:.2f}x), int8 {int8_base:.2f} -> {int8:.2f} ms ({int8_base / int8:.2f}x)")
     weights = {"gguf_mib": sum(p.nbytes for p in packed) / 2**20,
                "int8_mib": sum(p.nbytes for p in packed8) / 2**20,
                "dense_mib": sum(w.nbytes for w in dense) / 2**20}
     kernel = integer_kernel()
     isa = kernel[kernel.find("(") + 1:].split(")")[0].split(":")[0].replace(" ", "_").lower()
-    save(f"int_linear_{isa}", {"model": args.model, "layers": len(layers), "kernel": kernel,
+    save(args.name or f"int_linear_{isa}", {"model": args.model, "layers": len(layers), "kernel": kernel,
                                "dense_dtype": str(dtype), "weights": weights, "results": results})
 
 

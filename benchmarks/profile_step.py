@@ -1,5 +1,7 @@
 """Where an engine step's time goes: torch.profiler around ``Engine.step()`` in process, decode steps at a
-given batch size, ops grouped by kind, plus the time outside the model forward.
+given batch size, ops grouped by kind, plus the time outside the model forward. heron's C++ kernels are pybind
+calls, which torch.profiler does not record: a first pass without the profiler times each of them (and the step),
+a second pass under the profiler splits the PyTorch ops by kind (its own overhead inflates those).
 
     python -m benchmarks.profile_step [--model smollm2-135m-instruct --dtype bfloat16 --batch 1,32 --steps 20]
 
@@ -11,10 +13,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from types import ModuleType
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import heron.kernels
 from benchmarks.common import save
 from heron.config import EngineConfig
 from heron.engine.engine import Engine
@@ -33,6 +37,39 @@ KINDS = {
 }
 
 
+class TimedKernels:
+    """heron's C++ extension with the seconds spent in each of its ops summed (``seconds``)."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self._kernels = kernels
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def __getattr__(self, name: str):
+        op = getattr(self._kernels, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return op(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+
+def time_kernels(engine: Engine) -> TimedKernels | None:
+    """Route the engine's kernel calls through a ``TimedKernels`` (the layers find the extension through
+    ``heron.kernels.cpu_kernels``; each attention layer's backend holds it); None without the extension."""
+    kernels = heron.kernels.cpu_kernels()
+    if kernels is None:
+        return None
+    timed = TimedKernels(kernels)
+    heron.kernels.cpu_kernels = lambda: timed
+    for layer in engine.core.runner.model.attention_layers():
+        if getattr(layer.backend, "kernel", None) is kernels:
+            layer.backend.kernel = timed
+    return timed
+
+
 def kind_of(name: str) -> str:
     for kind, ops in KINDS.items():
         if name in ops:
@@ -40,7 +77,7 @@ def kind_of(name: str) -> str:
     return "other ops (norms, rotary, activations, casts, views)"
 
 
-def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int) -> dict:
+def profile_batch(engine: Engine, kernels: TimedKernels | None, batch: int, steps: int, prompt_len: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for i in range(batch):
@@ -50,24 +87,28 @@ def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int) -> di
         engine.step()
     for _ in range(3):
         engine.step()  # warm
+    if kernels is not None:
+        kernels.seconds.clear()
     forward_before = core.runner.forward_seconds
     start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    forward = (core.runner.forward_seconds - forward_before) / steps * 1e3
+    kernel_ms = {f"heron::{name}": s / steps * 1e3 for name, s in kernels.seconds.items()} if kernels else {}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-    wall = (time.perf_counter() - start) / steps * 1e3
-    forward = (core.runner.forward_seconds - forward_before) / steps * 1e3
     by_kind: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         by_kind[kind_of(evt.key)] += evt.self_cpu_time_total / 1e3 / steps
-    # heron's C++ kernels are pybind calls, which torch.profiler does not record: they (and Python) are the rest
-    by_kind["not seen by the profiler: heron's C++ kernels (GEMV, attention, fused ops), Python"] = \
-        wall - sum(by_kind.values())
     for request_id in list(core.requests):
         engine.abort_request(request_id)
     engine.step()
     return {"batch": batch, "step_ms": wall, "forward_ms": forward, "outside_forward_ms": wall - forward,
-            "ops_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))}
+            "heron_kernels_ms": dict(sorted(kernel_ms.items(), key=lambda kv: -kv[1])),
+            "rest_ms": wall - sum(kernel_ms.values()),
+            "pytorch_ops_ms_under_profiler": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))}
 
 
 def main() -> None:
@@ -84,11 +125,16 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048,
                                  attention_backend=args.attention_backend, quantization=args.quantization,
                                  kv_cache_dtype=args.kv_cache_dtype))
-    rows = [profile_batch(engine, int(b), args.steps, args.prompt_len) for b in args.batch.split(",")]
+    kernels = time_kernels(engine)
+    rows = [profile_batch(engine, kernels, int(b), args.steps, args.prompt_len) for b in args.batch.split(",")]
     for r in rows:
         print(f"batch {r['batch']}: {r['step_ms']:.1f} ms/step (forward {r['forward_ms']:.1f}, outside "
               f"{r['outside_forward_ms']:.1f}), {r['batch'] * 1e3 / r['step_ms']:.0f} tok/s")
-        for kind, ms in r["ops_ms"].items():
+        for name, ms in r["heron_kernels_ms"].items():
+            print(f"    {name:<55} {ms:7.2f} ms")
+        print(f"    {'the rest: Python, PyTorch ops, scheduling, sampling':<55} {r['rest_ms']:7.2f} ms")
+        print("  PyTorch ops under torch.profiler (inflated by its overhead):")
+        for kind, ms in r["pytorch_ops_ms_under_profiler"].items():
             print(f"    {kind:<55} {ms:7.2f} ms")
     backend = engine.core.runner.backend.name
     weights = args.quantization or "default"
