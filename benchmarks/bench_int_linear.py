@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +23,7 @@ from types import ModuleType
 import torch
 from torch.utils.cpp_extension import load
 
-from benchmarks.bench_roofs import best_seconds
+from benchmarks.bench_roofs import best_interleaved, best_seconds
 from benchmarks.common import save
 from heron.engine.memory import resolve_dtype
 from heron.kernels import _CFLAGS, load_cpu_kernels
@@ -52,20 +51,6 @@ def baseline_kernels(rev: str) -> ModuleType:
         f.write('\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int_linear", &int_linear); }\n')
     return load(name="heron_int_linear_baseline", sources=[str(build / "int_linear.cpp")], build_directory=str(build),
                 extra_include_paths=[str(build)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
-
-
-def best_interleaved(fns: list, repeats: int) -> list[float]:
-    """The fastest of ``repeats`` calls of each function, the functions taking turns (so that a slow spell of a
-    shared machine falls on all of them)."""
-    times: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        fn()
-    for _ in range(repeats):
-        for fn, seconds in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            seconds.append(time.perf_counter() - start)
-    return [min(t) for t in times]
 
 
 def main() -> None:

@@ -27,15 +27,23 @@ from heron.engine.engine import Engine
 from heron.kernels import cpu_kernels
 
 
-def best_seconds(fn, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` timed calls (after one warm-up): the machine's capability, not its noise."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def best_interleaved(fns: list, repeats: int = 5) -> list[float]:
+    """The fastest of ``repeats`` timed calls of each function (after one warm-up each): the machine's
+    capability, not its noise. The functions take turns, so that a slow spell of a shared machine falls on all."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    for _ in range(repeats):
+        for fn, seconds in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return [min(t) for t in times]
+
+
+def best_seconds(fn, repeats: int = 5) -> float:
+    """``best_interleaved`` of one function."""
+    return best_interleaved([fn], repeats)[0]
 
 
 def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -399,4 +399,3 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
   });
   return y;
 }
-
