@@ -65,10 +65,16 @@ class EventStreamResponse(StreamingResponse):
             self.on_close()
 
 
+# JSON leaves these unescaped, but clients that split lines as str.splitlines does (httpx's ``aiter_lines``) end
+# an event's line at them, mid-string; as \u escapes they decode to the same text
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict[str, Any] | str) -> str:
-    """One server-sent event carrying ``payload`` (a dict, or a pre-serialised JSON string)."""
+    """One server-sent event carrying ``payload`` (a dict, or a pre-serialised JSON string), on one line for
+    every client."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
