@@ -1,7 +1,9 @@
 """Where an engine step's time goes: torch.profiler around ``Engine.step()`` in process, decode steps at a
 given batch size, ops grouped by kind, plus the time outside the model forward. heron's C++ kernels are pybind
 calls, which torch.profiler does not record: a first pass without the profiler times each of them (and the step),
-a second pass under the profiler splits the PyTorch ops by kind (its own overhead inflates those).
+a second pass under the profiler splits the PyTorch ops by kind (its own overhead inflates those). Where the
+model runs its layers in one C++ call (heron/model/decoder_stack.py) that call is timed as a whole;
+``--no-decoder-stack`` times the per-op layers' kernels one by one instead.
 
     python -m benchmarks.profile_step [--model smollm2-135m-instruct --dtype bfloat16 --batch 1,32 --steps 20]
 
@@ -11,9 +13,9 @@ Feeds docs/performance.md. Run it on a quiet machine: the numbers are per-step m
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
-from types import ModuleType
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,11 +40,13 @@ KINDS = {
 
 
 class TimedKernels:
-    """heron's C++ extension with the seconds spent in each of its ops summed (``seconds``)."""
+    """heron's C++ extension (or a C++ object of it) with the seconds spent in each of its ops summed
+    (``seconds``, keyed ``prefix + op``); ``seconds`` may be shared by several."""
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels, seconds: dict[str, float], prefix: str = "") -> None:
         self._kernels = kernels
-        self.seconds: dict[str, float] = defaultdict(float)
+        self._prefix = prefix
+        self.seconds = seconds
 
     def __getattr__(self, name: str):
         op = getattr(self._kernels, name)
@@ -52,22 +56,27 @@ class TimedKernels:
             try:
                 return op(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
+                self.seconds[self._prefix + name] += time.perf_counter() - start
         return timed
 
 
-def time_kernels(engine: Engine) -> TimedKernels | None:
-    """Route the engine's kernel calls through a ``TimedKernels`` (the layers find the extension through
-    ``heron.kernels.cpu_kernels``; each attention layer's backend holds it); None without the extension."""
+def time_kernels(engine: Engine) -> dict[str, float] | None:
+    """Route the engine's kernel calls through ``TimedKernels`` (the layers find the extension through
+    ``heron.kernels.cpu_kernels``; each attention layer's backend holds it; the decoder stack its C++ object);
+    the seconds they sum, or None without the extension."""
     kernels = heron.kernels.cpu_kernels()
     if kernels is None:
         return None
-    timed = TimedKernels(kernels)
+    seconds: dict[str, float] = defaultdict(float)
+    timed = TimedKernels(kernels, seconds)
     heron.kernels.cpu_kernels = lambda: timed
-    for layer in engine.core.runner.model.attention_layers():
+    model = engine.core.runner.model
+    for layer in model.attention_layers():
         if getattr(layer.backend, "kernel", None) is kernels:
             layer.backend.kernel = timed
-    return timed
+    if model.decoder_stack is not None:
+        model.decoder_stack.stack = TimedKernels(model.decoder_stack.stack, seconds, "decoder_stack.")
+    return seconds
 
 
 def kind_of(name: str) -> str:
@@ -77,7 +86,7 @@ def kind_of(name: str) -> str:
     return "other ops (norms, rotary, activations, casts, views)"
 
 
-def profile_batch(engine: Engine, kernels: TimedKernels | None, batch: int, steps: int, prompt_len: int) -> dict:
+def profile_batch(engine: Engine, kernel_seconds: dict[str, float] | None, batch: int, steps: int, prompt_len: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for i in range(batch):
@@ -87,15 +96,15 @@ def profile_batch(engine: Engine, kernels: TimedKernels | None, batch: int, step
         engine.step()
     for _ in range(3):
         engine.step()  # warm
-    if kernels is not None:
-        kernels.seconds.clear()
+    if kernel_seconds is not None:
+        kernel_seconds.clear()
     forward_before = core.runner.forward_seconds
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = (time.perf_counter() - start) / steps * 1e3
     forward = (core.runner.forward_seconds - forward_before) / steps * 1e3
-    kernel_ms = {f"heron::{name}": s / steps * 1e3 for name, s in kernels.seconds.items()} if kernels else {}
+    kernel_ms = {f"heron::{name}": s / steps * 1e3 for name, s in (kernel_seconds or {}).items()}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
@@ -121,12 +130,16 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--quantization", default=None, help="e.g. none (dense), gguf (the default for a GGUF on the CPU)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--no-decoder-stack", action="store_true",
+                    help="run the layers op by op (HERON_DECODER_STACK=0), to time each kernel")
     args = ap.parse_args()
+    if args.no_decoder_stack:
+        os.environ["HERON_DECODER_STACK"] = "0"
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048,
                                  attention_backend=args.attention_backend, quantization=args.quantization,
                                  kv_cache_dtype=args.kv_cache_dtype))
-    kernels = time_kernels(engine)
-    rows = [profile_batch(engine, kernels, int(b), args.steps, args.prompt_len) for b in args.batch.split(",")]
+    kernel_seconds = time_kernels(engine)
+    rows = [profile_batch(engine, kernel_seconds, int(b), args.steps, args.prompt_len) for b in args.batch.split(",")]
     for r in rows:
         print(f"batch {r['batch']}: {r['step_ms']:.1f} ms/step (forward {r['forward_ms']:.1f}, outside "
               f"{r['outside_forward_ms']:.1f}), {r['batch'] * 1e3 / r['step_ms']:.0f} tok/s")
@@ -138,8 +151,9 @@ def main() -> None:
             print(f"    {kind:<55} {ms:7.2f} ms")
     backend = engine.core.runner.backend.name
     weights = args.quantization or "default"
-    save(f"profile_step_{args.dtype}_{weights}_{backend}",
-         {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+    layers = "per_op" if engine.core.runner.model.decoder_stack is None else "stack"
+    save(f"profile_step_{args.dtype}_{weights}_{backend}_{layers}",
+         {"model": args.model, "dtype": args.dtype, "quantization": args.quantization, "layers": layers,
           "kv_cache_dtype": args.kv_cache_dtype, "attention_backend": backend, "rows": rows})
 
 

@@ -42,6 +42,17 @@ class CpuPagedBackend(ReferenceBackend):
         meta.backend_data["kernel_few"] = (begin, torch.where(torch.tensor(few), end, begin))
         meta.backend_data["long"] = [b for b, f in enumerate(few) if not f]
 
+    @staticmethod
+    def kernel_queries(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (begin, end) query ranges of the kernel when it takes every query of a step prepared by this
+        backend, in ``dtype``; None when some go another way (or another backend prepared the step)."""
+        data = meta.backend_data
+        if "kernel" not in data:
+            return None
+        if dtype == torch.float32:
+            return data["kernel"]
+        return None if data["long"] else data["kernel_few"]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         self.store_kv(kv_cache, k, v, meta.slot_mapping)

@@ -16,6 +16,7 @@ from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from heron.layers.linear import MergedLinear, RowParallelLinear
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RopeInputs, RotaryEmbedding
+from heron.model.decoder_stack import DecoderStack
 from heron.quantization import quantization_method_for
 
 
@@ -147,19 +148,32 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         for p in self.parameters():
             p.requires_grad_(False)
+        self.decoder_stack: DecoderStack | None = None  # see build_decoder_stack
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (again after moving off meta)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def build_decoder_stack(self) -> None:
+        """Once the weights are final (loaded and repacked): run the layers in one C++ call where this model
+        and machine allow (heron/model/decoder_stack.py)."""
+        self.decoder_stack = DecoderStack.build(self)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_ids: list[int] | None = None) -> torch.Tensor:
         """Final hidden states; ``layer_ids`` runs only those layers (then the final norm): a self-draft."""
-        hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.prepare(positions, hidden.dtype)
-        for layer in self.layers if layer_ids is None else [self.layers[i] for i in layer_ids]:
-            hidden, residual = layer(rope, hidden, residual, meta)
+        hidden = self.embed_tokens(input_ids)
+        layer_ids = range(len(self.layers)) if layer_ids is None else layer_ids
+        stacked = None if self.decoder_stack is None else self.decoder_stack.forward(hidden, positions, meta,
+                                                                                      layer_ids)
+        if stacked is None:
+            residual = None
+            rope = self.rotary.prepare(positions, hidden.dtype)
+            for i in layer_ids:
+                hidden, residual = self.layers[i](rope, hidden, residual, meta)
+        else:
+            hidden, residual = stacked
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

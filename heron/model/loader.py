@@ -173,6 +173,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, max_position
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.quant_method.process_weights_after_loading(module)
+    model.build_decoder_stack()
     model.eval()
     if tok is None:
         tok = load_tokenizer(tokenizer or source.path, chat_template)

@@ -22,6 +22,7 @@ its activations permuted the same way at each call. Layers the checkpoint leaves
 from __future__ import annotations
 
 from abc import abstractmethod
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -247,3 +248,7 @@ class GPTQLinearMethod(_GroupwiseCheckpointMethod):
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)
         return super().apply(layer, x, bias)
+
+    def stack_linear(self, layer: nn.Module, kernels: ModuleType):
+        """The packed weight; None for an act-order layer (the stack does not reorder inputs)."""
+        return None if layer.input_order is not None else super().stack_linear(layer, kernels)

@@ -11,6 +11,7 @@ column-parallel layer's along ``output_dim``) before ``load`` sees them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,11 @@ class QuantizationMethod(ABC):
         """The path ``layer``'s matmul takes, for the start log line (None: the dense default)."""
         return None
 
+    def stack_linear(self, layer: nn.Module, kernels: ModuleType):
+        """``layer``'s matmul as a ``kernels.StackLinear`` for the one-call decoder stack
+        (heron/model/decoder_stack.py), computing exactly what ``apply`` does; None where the stack cannot."""
+        return None
+
 
 class UnquantizedLinearMethod(QuantizationMethod):
     """A dense ``weight`` [out, in] in the model dtype, multiplied with ``F.linear``.
@@ -103,6 +109,10 @@ class UnquantizedLinearMethod(QuantizationMethod):
         """``x W^T + bias`` from ``layer.weight`` (and its oneDNN copy): ``dense_linear``."""
         return dense_linear(x, layer.weight, getattr(layer, "onednn_weight", None), bias)
 
+    def stack_linear(self, layer: nn.Module, kernels: ModuleType):
+        """``dense_stack_linear`` of the layer's weight."""
+        return dense_stack_linear(layer.weight, getattr(layer, "onednn_weight", None), layer.bias, kernels)
+
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
@@ -116,6 +126,15 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Ten
     if onednn_weight is not None and x.dtype == torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn_weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def dense_stack_linear(weight: torch.Tensor, onednn_weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       kernels: ModuleType):
+    """``dense_linear`` as a ``kernels.StackLinear``; None for a weight with a oneDNN copy (the stack has no
+    oneDNN call)."""
+    if onednn_weight is not None:
+        return None
+    return kernels.StackLinear.dense(weight, bias, has_native_bf16())
 
 
 def _squeezed(shape: torch.Size) -> list[int]:

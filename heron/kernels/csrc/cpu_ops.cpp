@@ -285,6 +285,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
 torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                          int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
 
+void bind_decoder_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, fused with the residual add when given one");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place on q and k");
@@ -298,4 +300,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("kv_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("query_begin"),
         py::arg("query_end"), py::arg("scale"), py::arg("window"), py::arg("k_scale") = 1.0,
         py::arg("v_scale") = 1.0);
+  bind_decoder_stack(m);
 }

@@ -1,0 +1,154 @@
+// A Llama-family decoder stack in one call. On the CPU the per-op form of a layer is a dozen Python and pybind
+// calls (module calls, views, the kernels' argument conversion): at one sequence that dispatch cost about as
+// much as the layer's arithmetic (docs/performance.md). Here the same kernels run from C++, in the same order,
+// on tensors of the same shapes and strides, so the output is the per-op form's bit for bit
+// (tests/layers/test_decoder_stack.py); heron/model/decoder_stack.py decides when a model and a step can use it.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                      torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slots, double k_scale,
+              double v_scale);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                              torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
+                              double scale, int64_t window, double k_scale, double v_scale);
+torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                         int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
+
+namespace {
+
+// One linear layer as its quantization method computes it: a packed integer weight through int_linear
+// (heron/quantization/packed_int.py's ``linear``), or a dense weight as ``dense_linear`` does without a oneDNN
+// copy (heron's bfloat16 kernel for a few contiguous rows where ``gemv`` says the CPU has native bfloat16).
+struct StackLinear {
+  torch::Tensor qweight, scales, mins, dense;
+  int64_t bits = 0, group = 0, n = 0;
+  c10::optional<torch::Tensor> bias;
+  bool gemv = false;
+
+  static StackLinear packed(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                            int64_t group, int64_t n, c10::optional<torch::Tensor> bias) {
+    StackLinear linear;
+    linear.qweight = qweight, linear.scales = scales, linear.mins = mins;
+    linear.bits = bits, linear.group = group, linear.n = n, linear.bias = bias;
+    return linear;
+  }
+
+  static StackLinear dense_weight(torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gemv) {
+    StackLinear linear;
+    linear.dense = weight, linear.bias = bias, linear.gemv = gemv;
+    return linear;
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (qweight.defined()) return int_linear(x.contiguous(), qweight, scales, mins, bits, group, n, bias);
+    if (gemv && x.size(0) <= 4 && x.scalar_type() == at::kBFloat16 && x.is_contiguous())
+      return gemv_bf16(x, dense, bias);
+    return at::linear(x, dense, bias);
+  }
+};
+
+// One decoder layer's weights: pre-norms, the fused q/k/v and gate/up projections, and its attention window
+// (0: none).
+struct StackLayer {
+  torch::Tensor input_norm, post_norm;
+  double input_eps, post_eps;
+  StackLinear qkv, o_proj, gate_up, down;
+  int64_t window;
+};
+
+// The step's attention inputs, as the CPU paged backend passes them to its kernels.
+struct StackStep {
+  torch::Tensor positions, block_table, seq_lens, query_begin, query_end, slots;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<StackLayer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               torch::Tensor cos, torch::Tensor sin)
+      : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+        cos_(std::move(cos)), sin_(std::move(sin)) {}
+
+  // Runs layers ``layer_ids`` over ``hidden`` [T, H] (the embeddings); returns (hidden, residual) before the
+  // final norm. ``kv_caches`` and the scales are per layer of the whole stack.
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      torch::Tensor hidden, torch::Tensor positions, const std::vector<torch::Tensor>& kv_caches,
+      const std::vector<double>& k_scales, const std::vector<double>& v_scales, torch::Tensor block_table,
+      torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end, torch::Tensor slots,
+      const std::vector<int64_t>& layer_ids) const {
+    const int64_t count = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == count && static_cast<int64_t>(k_scales.size()) == count &&
+                static_cast<int64_t>(v_scales.size()) == count, "DecoderStack: one KV cache and scale pair a layer");
+    const StackStep step{positions, block_table, seq_lens, query_begin, query_end, slots};
+    torch::Tensor residual;
+    for (const int64_t i : layer_ids) {
+      TORCH_CHECK(i >= 0 && i < count, "DecoderStack: no layer ", i);
+      const StackLayer& layer = layers_[i];
+      if (residual.defined()) {
+        hidden = rms_norm(hidden, residual, layer.input_norm, layer.input_eps);
+      } else {
+        residual = hidden;
+        hidden = rms_norm(hidden, c10::nullopt, layer.input_norm, layer.input_eps);
+      }
+      hidden = layer.o_proj(attend(layer, hidden, step, kv_caches[i], k_scales[i], v_scales[i]));
+      hidden = rms_norm(hidden, residual, layer.post_norm, layer.post_eps);
+      hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
+    }
+    return {hidden, residual};
+  }
+
+ private:
+  // heron/model/llama.py's Attention with heron/attention/cpu_paged.py's forward, every query through the kernel.
+  torch::Tensor attend(const StackLayer& layer, const torch::Tensor& x, const StackStep& step,
+                       const torch::Tensor& kv_cache, double k_scale, double v_scale) const {
+    const torch::Tensor qkv = layer.qkv(x);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const torch::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
+    const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    rotary_embedding(step.positions, q, k, cos_, sin_);
+    store_kv(k, v, kv_cache, step.slots, k_scale, v_scale);
+    const double scale = std::pow(static_cast<double>(head_dim_), -0.5);
+    return paged_attention(q, kv_cache, step.block_table, step.seq_lens, step.query_begin, step.query_end, scale,
+                           layer.window, k_scale, v_scale)
+        .flatten(1);
+  }
+
+  std::vector<StackLayer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  torch::Tensor cos_, sin_;
+};
+
+}  // namespace
+
+void bind_decoder_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<StackLinear>(m, "StackLinear", "one linear layer of a DecoderStack")
+      .def_static("packed", &StackLinear::packed, "a packed integer weight (int_linear's arguments)",
+                  py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
+                  py::arg("n"), py::arg("bias"))
+      .def_static("dense", &StackLinear::dense_weight, "a dense weight [N, K] (F.linear, or gemv_bf16 for a few "
+                  "bfloat16 rows where gemv)", py::arg("weight"), py::arg("bias"), py::arg("gemv"));
+  py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecoderStack")
+      .def(py::init([](torch::Tensor input_norm, double input_eps, torch::Tensor post_norm, double post_eps,
+                       StackLinear qkv, StackLinear o_proj, StackLinear gate_up, StackLinear down, int64_t window) {
+             return StackLayer{input_norm, post_norm, input_eps, post_eps, qkv, o_proj, gate_up, down, window};
+           }),
+           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("qkv"),
+           py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("window"));
+  py::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decoder stack run in one call")
+      .def(py::init<std::vector<StackLayer>, int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor>(),
+           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"),
+           py::arg("sin"))
+      .def("forward", &DecoderStack::forward, py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
+           py::arg("k_scales"), py::arg("v_scales"), py::arg("block_table"), py::arg("seq_lens"),
+           py::arg("query_begin"), py::arg("query_end"), py::arg("slots"), py::arg("layer_ids"),
+           py::call_guard<py::gil_scoped_release>());  // the engine core's other threads run meanwhile
+}
