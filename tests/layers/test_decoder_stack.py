@@ -77,7 +77,7 @@ def test_stack_runs_gguf_weights_packed_and_dense(llama_dir, tmp_path, qtype):
     assert_stack_equals_per_op(make_llm(path))
 
 
-def test_steps_the_stack_does_not_cover_take_the_per_op_layers(llama_dir, monkeypatch):
+def test_steps_the_stack_does_not_cover_take_the_per_op_layers(llama_dir, tmp_path, monkeypatch):
     """Qwen3's q/k norms, the reference backend and ``HERON_DECODER_STACK=0`` leave the per-op form; with the
     stack in place, no decode step calls a per-op layer."""
     calls = []
@@ -86,7 +86,7 @@ def test_steps_the_stack_does_not_cover_take_the_per_op_layers(llama_dir, monkey
     llm = make_llm(llama_dir)
     generate(llm)
     assert not calls
-    assert stack_of(make_llm(build_tiny_model("qwen3", llama_dir.parent / "qwen3"))) is None
+    assert stack_of(make_llm(build_tiny_model("qwen3", tmp_path / "qwen3"))) is None
     reference = make_llm(llama_dir, attention_backend="reference")
     generate(reference)
     assert calls
