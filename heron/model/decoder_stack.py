@@ -45,6 +45,7 @@ class DecoderStack:
         kernels = kernels_for(model.embed_tokens.weight)
         if kernels is None or os.environ.get("HERON_DECODER_STACK", "1") == "0" or get_tp_group().size != 1:
             return None
+        dtype = model.embed_tokens.weight.dtype
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -55,7 +56,7 @@ class DecoderStack:
             if any(linear is None for linear in linears):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(norm.weight.dtype != model.embed_tokens.weight.dtype for norm in norms):
+            if any(norm.weight.dtype != dtype for norm in norms):
                 return None
             layers.append(kernels.StackLayer(norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps,
                                              *linears, attn.attn.sliding_window or 0))
