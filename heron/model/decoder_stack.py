@@ -9,7 +9,7 @@ The model builds a stack once loaded (``LlamaForCausalLM.build_decoder_stack``) 
 - heron's CPU kernels are available and the model is on the CPU, on one tensor-parallel rank;
 - its layers have no q/k norms (Qwen3 takes the per-op form);
 - every linear layer's quantization method can hand its matmul to the stack (``stack_linear``: packed integer
-  weights, and dense ones without a oneDNN copy).
+  weights, and dense ones with or without a oneDNN copy).
 A step then goes through it when every attention layer attends through the CPU paged kernel for every query
 (the cpu_paged backend, with its float8 scales already set) and in the model's dtype. ``HERON_DECODER_STACK=0``
 turns it off, to compare against the per-op form.

@@ -130,11 +130,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Ten
 
 def dense_stack_linear(weight: torch.Tensor, onednn_weight: torch.Tensor | None, bias: torch.Tensor | None,
                        kernels: ModuleType):
-    """``dense_linear`` as a ``kernels.StackLinear``; None for a weight with a oneDNN copy (the stack has no
-    oneDNN call)."""
-    if onednn_weight is not None:
-        return None
-    return kernels.StackLinear.dense(weight, bias, has_native_bf16())
+    """``dense_linear`` as a ``kernels.StackLinear``."""
+    return kernels.StackLinear.dense(weight, onednn_weight, bias, has_native_bf16())
 
 
 def _squeezed(shape: torch.Size) -> list[int]:

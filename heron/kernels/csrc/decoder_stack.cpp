@@ -3,6 +3,7 @@
 // much as the layer's arithmetic (docs/performance.md). Here the same kernels run from C++, in the same order,
 // on tensors of the same shapes and strides, so the output is the per-op form's bit for bit
 // (tests/layers/test_decoder_stack.py); heron/model/decoder_stack.py decides when a model and a step can use it.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include <cmath>
@@ -24,11 +25,25 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 
 namespace {
 
+// oneDNN's linear on a weight packed into its blocked layout (torch.ops.mkldnn._linear_pointwise), found once.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                            c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                            c10::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+}
+
 // One linear layer as its quantization method computes it: a packed integer weight through int_linear
-// (heron/quantization/packed_int.py's ``linear``), or a dense weight as ``dense_linear`` does without a oneDNN
-// copy (heron's bfloat16 kernel for a few contiguous rows where ``gemv`` says the CPU has native bfloat16).
+// (heron/quantization/packed_int.py's ``linear``), or a dense weight as ``dense_linear`` does (heron's bfloat16
+// kernel for a few contiguous rows where ``gemv`` says the CPU has native bfloat16, then the weight's oneDNN
+// copy for bfloat16 rows where it has one, else at::linear).
 struct StackLinear {
   torch::Tensor qweight, scales, mins, dense;
+  c10::optional<torch::Tensor> onednn;
   int64_t bits = 0, group = 0, n = 0;
   c10::optional<torch::Tensor> bias;
   bool gemv = false;
@@ -41,9 +56,10 @@ struct StackLinear {
     return linear;
   }
 
-  static StackLinear dense_weight(torch::Tensor weight, c10::optional<torch::Tensor> bias, bool gemv) {
+  static StackLinear dense_weight(torch::Tensor weight, c10::optional<torch::Tensor> onednn,
+                                  c10::optional<torch::Tensor> bias, bool gemv) {
     StackLinear linear;
-    linear.dense = weight, linear.bias = bias, linear.gemv = gemv;
+    linear.dense = weight, linear.onednn = onednn, linear.bias = bias, linear.gemv = gemv;
     return linear;
   }
 
@@ -51,6 +67,7 @@ struct StackLinear {
     if (qweight.defined()) return int_linear(x.contiguous(), qweight, scales, mins, bits, group, n, bias);
     if (gemv && x.size(0) <= 4 && x.scalar_type() == at::kBFloat16 && x.is_contiguous())
       return gemv_bf16(x, dense, bias);
+    if (onednn.has_value() && x.scalar_type() == at::kBFloat16) return onednn_linear(x.contiguous(), *onednn, bias);
     return at::linear(x, dense, bias);
   }
 };
@@ -134,8 +151,9 @@ void bind_decoder_stack(pybind11::module& m) {
       .def_static("packed", &StackLinear::packed, "a packed integer weight (int_linear's arguments)",
                   py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
                   py::arg("n"), py::arg("bias"))
-      .def_static("dense", &StackLinear::dense_weight, "a dense weight [N, K] (F.linear, or gemv_bf16 for a few "
-                  "bfloat16 rows where gemv)", py::arg("weight"), py::arg("bias"), py::arg("gemv"));
+      .def_static("dense", &StackLinear::dense_weight, "a dense weight [N, K] and its oneDNN copy, if any "
+                  "(dense_linear: gemv_bf16 for a few bfloat16 rows where gemv, the copy for more, else F.linear)",
+                  py::arg("weight"), py::arg("onednn"), py::arg("bias"), py::arg("gemv"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecoderStack")
       .def(py::init([](torch::Tensor input_norm, double input_eps, torch::Tensor post_norm, double post_eps,
                        StackLinear qkv, StackLinear o_proj, StackLinear gate_up, StackLinear down, int64_t window) {
