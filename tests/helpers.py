@@ -169,7 +169,7 @@ def heron_logits(llm, prompt: list[int]) -> torch.Tensor:
     core = llm.engine.core
     bm = core.block_manager
     blocks = [bm._take_free_block().block_id for _ in range(bm.blocks_needed(len(prompt)))]
-    probe = ScheduledSeq(-1, list(prompt), 0, len(prompt), blocks, True)
+    probe = ScheduledSeq(-1, list(prompt), 0, len(prompt), blocks, True, num_prompt_rows=len(prompt))
     logits = core.runner.compute_logits(core.runner.execute(SchedulerOutput(seqs=[probe])))
     core.runner.execute(SchedulerOutput(freed_seq_ids=[-1]))
     for b in blocks:

@@ -38,6 +38,7 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for builders that plan on the CPU
     context_lens: list[int]
     block_size: int
+    prompt_rows: list[int] = field(default_factory=list)  # per sequence: its first rows that are prompt tokens
     # derived data a backend builds once per step in ``prepare`` (masks, index tensors, ...)
     backend_data: dict[Any, Any] = field(default_factory=dict)
 

@@ -161,7 +161,7 @@ class EngineCore:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        probe = ScheduledSeq(-1, [0] * tokens, 0, 1, list(range(blocks)), True)
+        probe = ScheduledSeq(-1, [0] * tokens, 0, 1, list(range(blocks)), True, num_prompt_rows=tokens)
         self.runner.execute(SchedulerOutput(seqs=[probe]))
         self.runner.execute(SchedulerOutput(freed_seq_ids=[-1]))
         torch.cuda.synchronize()

@@ -161,6 +161,10 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def prompt_rows(self, start: int, count: int) -> int:
+        """How many of the positions ``start .. start + count - 1`` hold prompt tokens."""
+        return max(0, min(count, self.num_prompt_tokens - start))
+
     def output_view(self, drafts: Seq[int] = ()) -> OutputTokens:
         """The output tokens (followed by ``drafts``) as a view: no per-step copy of the whole output."""
         return OutputTokens(self.token_ids, self.num_prompt_tokens, drafts)

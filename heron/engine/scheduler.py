@@ -33,6 +33,7 @@ class ScheduledSeq:
     num_logits: int
     block_ids: list[int]
     reset: bool
+    num_prompt_rows: int = 0  # how many of ``token_ids`` (the first ones) are prompt tokens
 
 
 @dataclass
@@ -152,7 +153,8 @@ class Scheduler:
         reset = seq.table_reset
         blocks = seq.block_table if reset else seq.block_table[seq.num_sent_blocks:]
         seq.table_reset, seq.num_sent_blocks = False, len(seq.block_table)
-        return ScheduledSeq(seq.seq_id, tokens, start, num_logits, list(blocks), reset)
+        return ScheduledSeq(seq.seq_id, tokens, start, num_logits, list(blocks), reset,
+                            seq.prompt_rows(start, num_new))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -46,6 +46,10 @@ class LinearBase(nn.Module):
     input columns (both whole by default); sizes are given whole, the layer holds its parts.
     """
 
+    # its input rows are the step's flat batch, whose prompt rows heron/layers/prompt_rows.py names (the LM
+    # head's are the rows to sample)
+    step_rows = True
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  quant_method: QuantizationMethod | None = None, output_parts: list[Part] | None = None,
                  input_part: Part = WHOLE) -> None:

@@ -11,7 +11,8 @@ The model builds a stack once loaded (``LlamaForCausalLM.build_decoder_stack``) 
 - every linear layer's quantization method can hand its matmul to the stack (``stack_linear``: packed integer
   weights, and dense ones with or without a oneDNN copy).
 A step then goes through it when every attention layer attends through the CPU paged kernel for every query
-(the cpu_paged backend, with its float8 scales already set) and in the model's dtype. ``HERON_DECODER_STACK=0``
+(the cpu_paged backend, with its float8 scales already set) and in the model's dtype, and, where integer layers
+keep a bfloat16 copy for prompt tokens (heron/quantization/packed_int.py), when it holds no prompt tokens. ``HERON_DECODER_STACK=0``
 turns it off, to compare against the per-op form.
 """
 
@@ -38,6 +39,7 @@ class DecoderStack:
         self.stack = stack
         self.attention = model.attention_layers()
         self.dtype = model.embed_tokens.weight.dtype
+        self.prompt_weights = any(getattr(m, "prompt_weight", None) is not None for m in model.layers.modules())
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> DecoderStack | None:
@@ -70,7 +72,8 @@ class DecoderStack:
         """Layers ``layer_ids`` over the embeddings ``hidden``: (hidden, residual) before the final norm, as the
         per-op layers give them; None when this step cannot go through the stack."""
         ranges = CpuPagedBackend.kernel_queries(meta, hidden.dtype)
-        if ranges is None or hidden.dtype != self.dtype or not hidden.is_contiguous():
+        if (ranges is None or hidden.dtype != self.dtype or not hidden.is_contiguous()
+                or self.prompt_weights and any(meta.prompt_rows)):
             return None
         caches, k_scales, v_scales = [], [], []
         for attn in self.attention:

@@ -15,6 +15,7 @@ from heron.layers.attention import PagedAttention
 from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from heron.layers.linear import MergedLinear, RowParallelLinear
 from heron.layers.norm import RMSNorm
+from heron.layers.prompt_rows import step_rows
 from heron.layers.rotary import RopeInputs, RotaryEmbedding
 from heron.model.decoder_stack import DecoderStack
 from heron.quantization import quantization_method_for
@@ -170,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         if stacked is None:
             residual = None
             rope = self.rotary.prepare(positions, hidden.dtype)
-            for i in layer_ids:
-                hidden, residual = self.layers[i](rope, hidden, residual, meta)
+            with step_rows(meta.query_lens, meta.prompt_rows):
+                for i in layer_ids:
+                    hidden, residual = self.layers[i](rope, hidden, residual, meta)
         else:
             hidden, residual = stacked
         hidden, _ = self.norm(hidden, residual)

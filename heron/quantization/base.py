@@ -124,8 +124,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Ten
             # (docs/performance.md): a small batch's decode step is mostly these products
             return kernels.gemv_bf16(x, weight, bias)
     if onednn_weight is not None and x.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn_weight, bias, "none", [], "")
+        return onednn_linear(x, onednn_weight, bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_linear(x: torch.Tensor, onednn_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` for bfloat16 rows and W's copy from ``onednn_packed``."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn_weight, bias, "none", [], "")
 
 
 def dense_stack_linear(weight: torch.Tensor, onednn_weight: torch.Tensor | None, bias: torch.Tensor | None,

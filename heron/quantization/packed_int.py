@@ -11,11 +11,21 @@ holds input j in its low nibble and input j+4 in its high nibble. Scales and min
 (float16 where every value is exactly float16, else float32), the 16 rows of a group side by side. N is
 padded to 16 and K to the kernel's block (rows and inputs of zeros that add nothing). ``dequantize`` is the
 reference the kernel is tested against.
+
+Where the CPU has AMX and the model computes in bfloat16, a layer also keeps its weight dequantized to bfloat16
+in oneDNN's packed layout (``prompt_weight``) for a step's prompt rows (heron/layers/prompt_rows.py): AMX
+tiles multiply many rows several times faster than the int8-dot kernel, which wins at a few rows (it reads a
+quarter of the bytes): generated tokens keep the kernel. oneDNN picks its blocking, hence a row's last bits,
+by the number of rows, so prompt rows go through it in calls of ``PROMPT_BLOCK`` rows (the last one padded with
+zeros): a row's result is then the same whatever its batch, chunking or prefix-cache hits (tested). The copy
+costs the memory of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and
+every row takes the integer kernel.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from abc import abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,10 +35,12 @@ from torch import nn
 
 from heron.cpu import cpu_flags
 from heron.kernels import cpu_kernels, kernels_for
-from heron.quantization.base import QuantizationMethod
+from heron.layers.prompt_rows import current_rows
+from heron.quantization.base import QuantizationMethod, onednn_linear, onednn_packed
 
 ROWS = 16  # output rows per packed tile: one AVX-512 register of int32 lanes
 ACT_BLOCK = 32  # inputs per activation quantization block (the kernel's int8 x; as llama.cpp's q8 blocks)
+PROMPT_BLOCK = 128  # prompt rows per oneDNN call on a prompt weight
 
 
 @dataclass
@@ -155,15 +167,42 @@ def _untile_rows(t: torch.Tensor) -> torch.Tensor:
     return t.float().transpose(1, 2).reshape(-1, t.shape[1])
 
 
-def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + bias`` for a packed integer W: heron's kernel on the CPU, for every number of rows (each row's
-    result is the same in any batch: greedy output does not depend on batching or the prefix cache), else W
-    dequantized to x's dtype for a dense matmul (no compiler, or another device)."""
+def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None,
+           prompt_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + bias`` for a packed integer W: heron's kernel on the CPU (each row's result is the same in any
+    batch), except a step's prompt rows where W has a ``prompt_weight`` (``prompt_linear``); W dequantized to
+    x's dtype for a dense matmul without the kernels (no compiler, another device)."""
     kernels = kernels_for(x)
-    if kernels is not None:
+    if kernels is None:
+        return torch.nn.functional.linear(x, packed.dequantize(x.dtype).to(x.device), bias)
+    rows = current_rows()
+    if prompt_weight is None or rows.prompt is None or x.dtype != torch.bfloat16:
         return kernels.int_linear(x.contiguous(), packed.qweight, packed.scales, packed.mins, packed.bits,
                                   packed.group, packed.n, bias)
-    return torch.nn.functional.linear(x, packed.dequantize(x.dtype).to(x.device), bias)
+    if rows.other is None:
+        return prompt_linear(x, prompt_weight, bias)
+    out = x.new_empty(x.shape[0], packed.n)
+    out[rows.other] = kernels.int_linear(x[rows.other], packed.qweight, packed.scales, packed.mins, packed.bits,
+                                         packed.group, packed.n, bias)
+    out[rows.prompt] = prompt_linear(x[rows.prompt], prompt_weight, bias)
+    return out
+
+
+def prompt_linear(x: torch.Tensor, prompt_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` through oneDNN on W's bfloat16 copy, ``PROMPT_BLOCK`` rows per call (see the module
+    docstring)."""
+    rows = x.shape[0]
+    padded = torch.nn.functional.pad(x, (0, 0, 0, -rows % PROMPT_BLOCK))
+    out = torch.cat([onednn_linear(block, prompt_weight, bias) for block in padded.split(PROMPT_BLOCK)])
+    return out[:rows]
+
+
+def prompt_weight_of(packed: PackedInt, dtype: torch.dtype) -> torch.Tensor | None:
+    """``packed`` dequantized to bfloat16 in oneDNN's layout, for prompt rows (see the module docstring),
+    where the CPU has AMX, the model computes in bfloat16 and ``onednn_packed`` finds the memory; else None."""
+    if dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags() or os.environ.get("HERON_PROMPT_WEIGHTS") == "0":
+        return None
+    return onednn_packed(packed.dequantize(torch.bfloat16))
 
 
 class PackedIntLinearMethod(QuantizationMethod):
@@ -177,18 +216,22 @@ class PackedIntLinearMethod(QuantizationMethod):
         """The loaded layer's weight, one shard per entry of ``layer.output_sizes``."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Pack the layer's shards into ``layer.packed`` and free the checkpoint tensors."""
+        """Pack the layer's shards into ``layer.packed`` (and its ``prompt_weight``, where it has one) and free
+        the checkpoint tensors."""
         packed = pack(merge(self.shards(layer)))
         for name in [n for n in layer._parameters if n != "bias"]:
             del layer._parameters[name]
         layer.packed = packed
+        layer.prompt_weight = prompt_weight_of(packed, layer.params_dtype) if layer.step_rows else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias`` from ``layer.packed``."""
-        return linear(x, layer.packed, bias)
+        """``x W^T + bias`` from ``layer.packed`` (and its ``prompt_weight``)."""
+        return linear(x, layer.packed, bias, layer.prompt_weight)
 
     def describe(self, layer: nn.Module) -> str:
         """The kernel the packed weight goes through here."""
+        if layer.prompt_weight is not None:
+            return f"{integer_kernel()}, prompt tokens through a bfloat16 copy (oneDNN, AMX)"
         return integer_kernel()
 
     def stack_linear(self, layer: nn.Module, kernels: ModuleType):

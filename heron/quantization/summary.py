@@ -15,9 +15,18 @@ def weight_bytes(model: nn.Module) -> int:
     return weights + sum(m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
 
 
+def copy_bytes(model: nn.Module) -> int:
+    """Bytes of the linear layers' second copies for oneDNN (a dense weight's packed layout, an integer weight's
+    bfloat16 copy for prompt chunks)."""
+    copies = (getattr(m, name, None) for m in model.modules() for name in ("onednn_weight", "prompt_weight"))
+    return sum(t.nbytes for t in copies if t is not None)
+
+
 def describe_weights(model: nn.Module) -> str:
     """E.g. "weights 147.7 MiB; linear layers: 120 Q4_1: int8-dot kernel (AVX-512 VNNI); 1 Q8_0: ..."."""
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     paths = Counter(m.quant_method.describe(m) or "dense" for m in linears)
     layers = "; ".join(f"{n} {path}" for path, n in paths.items())
-    return f"weights {weight_bytes(model) / 2**20:.1f} MiB; linear layers: {layers}"
+    copies = copy_bytes(model)
+    extra = f" (+{copies / 2**20:.1f} MiB of oneDNN copies)" if copies else ""
+    return f"weights {weight_bytes(model) / 2**20:.1f} MiB{extra}; linear layers: {layers}"

@@ -105,10 +105,10 @@ class DraftProposer:
                    qs: dict[int, list[torch.Tensor]]) -> None:
         """One draft forward over ``feeds`` (each sequence's tokens not yet seen by the draft); appends each
         sequence's next draft token (and its q when sampled)."""
+        starts = [len(s) + len(drafts[s.seq_id]) - len(tokens) for s, tokens in feeds]
         sched = SchedulerOutput(seqs=[
-            ScheduledSeq(s.seq_id, tokens, len(s) + len(drafts[s.seq_id]) - len(tokens), 1, list(s.block_table),
-                         True)
-            for s, tokens in feeds])
+            ScheduledSeq(s.seq_id, tokens, start, 1, list(s.block_table), True, s.prompt_rows(start, len(tokens)))
+            for (s, tokens), start in zip(feeds, starts, strict=True)])
         logits = self.runner.compute_logits(self.runner.execute(sched))
         rows = []
         for s, _ in feeds:

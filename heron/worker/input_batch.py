@@ -95,6 +95,7 @@ class InputBatch:
             query_start_loc=torch.from_numpy(cu).to(dev, torch.int32),
             seq_lens=torch.from_numpy(context_lens).to(dev, torch.int32),
             block_table=step_table.to(dev), slot_mapping=slots.to(dev),
-            query_lens=query_lens.tolist(), context_lens=context_lens.tolist(), block_size=bs)
+            query_lens=query_lens.tolist(), context_lens=context_lens.tolist(), block_size=bs,
+            prompt_rows=[s.num_prompt_rows for s in sched.seqs])
         return ModelInputs(torch.from_numpy(input_ids).to(dev, copy=True), pos.to(dev, copy=True), meta,
                            torch.from_numpy(logits_index).to(dev))

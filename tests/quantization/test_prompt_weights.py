@@ -1,0 +1,114 @@
+"""Integer-weight layers with a bfloat16 copy for prompt tokens (heron/quantization/packed_int.py): prompt rows
+go through oneDNN on the copy in calls of a fixed size, every other row through the integer kernel exactly as
+without it, so a row's result in these layers never depends on its batch, its prompt's chunks or prefix-cache
+hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from helpers import heron_logits, write_gguf
+
+from heron import LLM, SamplingParams
+from heron.cpu import has_native_bf16
+from heron.kernels import cpu_kernels
+from heron.layers.prompt_rows import current_rows, step_rows
+from heron.quantization import packed_int
+from heron.quantization.base import onednn_packed
+from heron.quantization.packed_int import PROMPT_BLOCK, IntShard, linear, pack, prompt_weight_of
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    cpu_kernels() is None or not has_native_bf16() or not torch.backends.mkldnn.is_available(),
+    reason="needs heron's CPU kernels and oneDNN's bfloat16 linear (native bfloat16)")
+
+
+def test_step_rows_name_the_prompt_rows_of_each_sequence():
+    with step_rows([1, 5, 3], [0, 5, 2]):
+        rows = current_rows()
+        assert rows.prompt.tolist() == [1, 2, 3, 4, 5, 6, 7]
+        assert rows.other.tolist() == [0, 8]
+    assert current_rows().prompt is None  # outside the step
+    with step_rows([1, 1], [0, 0]):  # decodes only: nothing to split
+        assert current_rows().prompt is None and current_rows().other is None
+    with step_rows([40], [40]):
+        assert current_rows().other is None
+
+
+def random_packed(n: int = 96, k: int = 256, bits: int = 4, group: int = 32) -> packed_int.PackedInt:
+    g = torch.Generator().manual_seed(n + k)
+    return pack(IntShard(torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=g),
+                         torch.rand(n, k // group, generator=g) / 50, -torch.rand(n, k // group, generator=g) / 10,
+                         bits, group))
+
+
+@needs_onednn_bf16
+def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_in_any_step():
+    packed = random_packed()
+    copy = onednn_packed(packed.dequantize(torch.bfloat16))
+    bias = torch.randn(packed.n).bfloat16()
+    query_lens, prompt_rows = [3, 150, 1, 30], [3, 150, 0, 29]  # 30: a prompt's last token and a draft
+    x = torch.randn(sum(query_lens), packed.k).bfloat16()
+    with step_rows(query_lens, prompt_rows):
+        out = linear(x, packed, bias, copy)
+    other = torch.tensor([153, 183])
+    prompt = torch.tensor([i for i in range(len(x)) if i not in (153, 183)])
+    # the other rows are the integer kernel's, as without a copy or a step layout
+    torch.testing.assert_close(out[other], linear(x[other], packed, bias), atol=0, rtol=0)
+    assert not torch.equal(out[prompt], linear(x[prompt], packed, bias))  # another kernel...
+    reference = F.linear(x[prompt].float(), packed.dequantize(), bias.float())
+    torch.testing.assert_close(out[prompt].float(), reference, atol=0.05, rtol=0.02)  # ...the same product
+    assert len(prompt) > PROMPT_BLOCK  # several oneDNN calls, the last one padded
+    for part in (prompt[:5], prompt[100:170], prompt[-1:]):  # alone, or as another step's prompt rows
+        with step_rows([len(part)], [len(part)]):
+            torch.testing.assert_close(linear(x[part], packed, bias, copy), out[part], atol=0, rtol=0)
+
+
+def test_the_copy_is_kept_only_for_bfloat16_on_amx(monkeypatch):
+    packed = random_packed()
+    monkeypatch.setattr(packed_int, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert prompt_weight_of(packed, torch.bfloat16) is None  # no AMX: the integer kernel is the faster at any size
+    monkeypatch.setattr(packed_int, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert prompt_weight_of(packed, torch.float32) is None
+    monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "0")
+    assert prompt_weight_of(packed, torch.bfloat16) is None
+    monkeypatch.delenv("HERON_PROMPT_WEIGHTS")
+    assert (prompt_weight_of(packed, torch.bfloat16) is not None) == (onednn_packed(
+        packed.dequantize(torch.bfloat16)) is not None)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("weights", ["int4", "gguf-q4_1"])
+def test_a_model_with_prompt_copies_batches_like_one_at_a_time_and_stays_close_to_the_kernel(
+        tiny_model_dir, tmp_path, monkeypatch, weights):
+    monkeypatch.setattr(packed_int, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    if weights == "int4":
+        model, quantization = tiny_model_dir(), "int4"
+    else:
+        model, quantization = write_gguf(tiny_model_dir(), tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_1), None
+    prompts = [list(range(5, 45)), [7, 8, 9], list(range(100, 130)), list(range(5, 200))]
+
+    def make() -> LLM:
+        # bfloat16 attention takes SDPA for long prompt chunks, the kernel for short ones: a prompt cut into
+        # other chunks, or replayed after a prefix-cache hit, may differ there in its last bits (not tested here)
+        return LLM(model=str(model), dtype="bfloat16", quantization=quantization, max_model_len=256,
+                   enable_prefix_caching=False, seed=0)
+
+    def generate(llm: LLM, batch: list[list[int]]) -> list[tuple[list[int], list]]:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    llm = make()
+    runner_model = llm.engine.core.runner.model
+    assert runner_model.layers[0].mlp.gate_up_proj.prompt_weight is not None
+    if weights != "int4":  # GGUF packs the LM head too, but its rows are the sampled ones, not a step's
+        assert runner_model.lm_head.packed is not None and runner_model.lm_head.prompt_weight is None
+    alone = [generate(llm, [p])[0] for p in prompts]
+    assert generate(llm, prompts) == alone
+
+    monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "0")
+    without = make()
+    assert without.engine.core.runner.model.layers[0].mlp.gate_up_proj.prompt_weight is None
+    torch.testing.assert_close(heron_logits(llm, prompts[0]), heron_logits(without, prompts[0]), atol=0.1, rtol=0.05)
