@@ -60,12 +60,16 @@ void rotate(T* x, int64_t heads, int64_t D, const float* cos, const float* sin, 
   }
 }
 
+// e^-gate goes through a buffer of its own: fused into the loop of the division, GCC 12 (with
+// -fno-trapping-math) vectorized that loop ~15x slower than the two loops apart (the same operations, the same bits)
 template <typename T>
-void silu_and_mul_row(const T* x, T* out, int64_t I, float* gate, float* up) {
+void silu_and_mul_row(const T* x, T* out, int64_t I, float* gate, float* up, float* exp_neg) {
   load_row(x, gate, I);
   load_row(x + I, up, I);
 #pragma omp simd
-  for (int64_t i = 0; i < I; ++i) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+  for (int64_t i = 0; i < I; ++i) exp_neg[i] = exp_approx(-gate[i]);
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) gate[i] = gate[i] / (1.0f + exp_neg[i]) * up[i];
   store_row(gate, out, I);
 }
 
@@ -185,8 +189,9 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(I), up(I);
-      for (int64_t t = begin; t < end; ++t) silu_and_mul_row(xp + t * 2 * I, op + t * I, I, gate.data(), up.data());
+      std::vector<float> gate(I), up(I), exp_neg(I);
+      for (int64_t t = begin; t < end; ++t)
+        silu_and_mul_row(xp + t * 2 * I, op + t * I, I, gate.data(), up.data(), exp_neg.data());
     });
   });
   return out;
