@@ -5,7 +5,8 @@ with a padded static batch, on the same weights, in one run.
                                            --dtype bfloat16]
 
 Both engines run in ``--dtype`` (bfloat16 by default: the speed issue's comparison; heron's own CPU default is
-bfloat16 where the CPU computes it natively).
+bfloat16 where the CPU computes it natively) on the same dense weights (a GGUF dequantized, for heron too unless
+``--quantization gguf``).
 
 The one-at-a-time baseline runs a subset (``--sequential-prompts``) of the requests: it processes them one
 after another, so its tokens/s does not depend on how many it runs.
@@ -37,12 +38,14 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--static-batch", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--quantization", default="none",
+                    help="heron's weights (default none: the dense weights transformers runs; gguf keeps a GGUF's blocks)")
     ap.add_argument("--sequential-prompts", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(args.seed)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
     vocab = len(llm.get_tokenizer())
     prompts = torch.randint(100, vocab, (args.num_prompts, args.input_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
