@@ -10,6 +10,7 @@ use their PyTorch form; ``HERON_CPU_KERNELS=0`` forces that form (to compare aga
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -44,9 +45,14 @@ def load_cpu_kernels() -> ModuleType:
     build_dir = heron_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading heron's CPU kernels (compiled into %s on first use)", build_dir)
-    return load(name="heron_cpu_kernels", sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
-                extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    # torch's own build lock is a file that waits forever once a process dies holding it (a server killed while
+    # compiling); heron's is an flock the kernel drops with its holder, and whoever holds it removes torch's
+    with open(build_dir / "heron.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(name="heron_cpu_kernels", sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
+                    extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +43,17 @@ def test_kernels_build_wherever_a_compiler_exists():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
     load_cpu_kernels()
+
+
+@needs_kernels
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    """torch's build lock is a file: a server killed while compiling left it, and every later start waited on it
+    forever. A fresh process must load the (built) kernels regardless."""
+    build_dir = Path(load_cpu_kernels().__file__).parent
+    (build_dir / "lock").touch()  # as a process killed mid-build leaves it
+    subprocess.run([sys.executable, "-c", "from heron.kernels import load_cpu_kernels; load_cpu_kernels()"],
+                   check=True, timeout=180)
+    assert not (build_dir / "lock").exists()
 
 
 def tolerance(dtype: torch.dtype) -> dict:
