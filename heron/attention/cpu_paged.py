@@ -7,9 +7,9 @@ cache (with packed integer weights, whose activations are rounded to int8, a las
 another token). In float32 every query goes through it: on an AVX2 CPU it measured faster than gather + SDPA
 at every chunk shape tried, up to 2,048 queries over 2,048 positions (docs/performance.md). In half precision
 the sequences with few queries this step (decodes, speculative verification: at most ``MAX_KERNEL_QUERIES``)
-and every query at a position below ``KERNEL_POSITIONS`` go through it; the rest of a long prefill chunk takes
-the reference path (gather + SDPA, whose bfloat16 GEMMs use AMX tiles where the CPU has them), one SDPA call
-per chunk so that a chunk's result does not depend on the shapes of the others in its step. The kernel is part of heron's CPU extension (heron/kernels), built at first use;
+go through it and long prefill chunks take the reference path (gather + SDPA, whose bfloat16 GEMMs use AMX
+tiles where the CPU has them), one SDPA call per chunk so that a chunk's result does not depend on the shapes of
+the others in its step. The kernel is part of heron's CPU extension (heron/kernels), built at first use;
 without a compiler the engine falls back to the reference backend with one warning. A float8 pool is written
 and read by the kernels too: the queries and the output keep the model's dtype, and the layer's key scale is
 folded into the queries, its value scale into the output.
@@ -24,10 +24,6 @@ from heron.attention.reference import ReferenceBackend, _Group
 from heron.kernels import load_cpu_kernels
 
 MAX_KERNEL_QUERIES = 16
-# in half precision, queries at positions below this go through the kernel in any chunk: a prompt that short
-# gets the same bits however it was chunked or found in the prefix cache, at a small cost (SDPA's AMX GEMMs win
-# from ~256 positions on: docs/performance.md)
-KERNEL_POSITIONS = 256
 
 
 class CpuPagedBackend(ReferenceBackend):
@@ -39,20 +35,12 @@ class CpuPagedBackend(ReferenceBackend):
         self.kernel = load_cpu_kernels()
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        # half precision: a long chunk's queries below KERNEL_POSITIONS through the kernel, the rest through SDPA
-        kernel_rows = [q if q <= MAX_KERNEL_QUERIES else min(q, max(0, KERNEL_POSITIONS - (c - q)))
-                       for q, c in zip(meta.query_lens, meta.context_lens, strict=True)]
+        few = [q <= MAX_KERNEL_QUERIES for q in meta.query_lens]
         starts = meta.query_start_loc.cpu().to(torch.int32)
         begin, end = starts[:-1].clone(), starts[1:].clone()
         meta.backend_data["kernel"] = (begin, end)  # float32: every query
-        meta.backend_data["kernel_few"] = (begin, begin + torch.tensor(kernel_rows, dtype=torch.int32))
-        # the kernel takes a range's last query to sit at its sequence's last position: a long chunk's first rows
-        # see the context up to themselves
-        meta.backend_data["kernel_few_seq_lens"] = torch.tensor(
-            [c - q + n for q, c, n in zip(meta.query_lens, meta.context_lens, kernel_rows, strict=True)],
-            dtype=torch.int32, device=meta.seq_lens.device)
-        meta.backend_data["long"] = [(b, n) for b, (n, q) in enumerate(zip(kernel_rows, meta.query_lens, strict=True))
-                                     if n < q]  # (sequence, its rows the kernel takes): the rest through SDPA
+        meta.backend_data["kernel_few"] = (begin, torch.where(torch.tensor(few), end, begin))
+        meta.backend_data["long"] = [b for b, f in enumerate(few) if not f]
 
     @staticmethod
     def kernel_queries(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -70,8 +58,7 @@ class CpuPagedBackend(ReferenceBackend):
         self.store_kv(kv_cache, k, v, meta.slot_mapping)
         every_query = q.dtype == torch.float32
         begin, end = meta.backend_data["kernel" if every_query else "kernel_few"]
-        seq_lens = meta.seq_lens if every_query else meta.backend_data["kernel_few_seq_lens"]
-        out = self.kernel.paged_attention(q, kv_cache, meta.block_table, seq_lens, begin, end,
+        out = self.kernel.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, begin, end,
                                           q.shape[-1] ** -0.5, sliding_window or 0, self.kv_scales.k,
                                           self.kv_scales.v)
         if not every_query:
@@ -83,7 +70,7 @@ class CpuPagedBackend(ReferenceBackend):
         """One SDPA group per long chunk, of its own shape (padded beside others, its result would depend on
         them); built by the step's first layer that needs them."""
         if "groups" not in meta.backend_data:
-            meta.backend_data["groups"] = [self._group(meta, [b], [n]) for b, n in meta.backend_data["long"]]
+            meta.backend_data["groups"] = [self._group(meta, [b]) for b in meta.backend_data["long"]]
         return meta.backend_data["groups"]
 
     def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -63,14 +63,12 @@ class ReferenceBackend(AttentionBackend):
         meta.backend_data["groups"] = [self._group(meta, members) for members in (decode, multi) if members]
 
     @staticmethod
-    def _group(meta: AttentionMetadata, members: list[int], skip: list[int] | None = None) -> _Group:
-        """The queries of sequences ``members``, after the first ``skip[i]`` of member i (none by default)."""
+    def _group(meta: AttentionMetadata, members: list[int]) -> _Group:
         device = meta.slot_mapping.device
         rows = torch.tensor(members, dtype=torch.long)
-        skipped = torch.tensor(skip if skip is not None else [0] * len(members))
-        q_len = torch.tensor([meta.query_lens[b] for b in members]) - skipped
+        q_len = torch.tensor([meta.query_lens[b] for b in members])
         ctx_len = torch.tensor([meta.context_lens[b] for b in members])
-        start = meta.query_start_loc.cpu().long()[rows] + skipped
+        start = meta.query_start_loc.cpu().long()[rows]
         max_q = int(q_len.max())
         max_blocks = -(-int(ctx_len.max()) // meta.block_size)
         offs = torch.arange(max_q)

