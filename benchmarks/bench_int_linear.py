@@ -104,7 +104,8 @@ def main() -> None:
                "int8_mib": sum(p.nbytes for p in packed8) / 2**20,
                "dense_mib": sum(w.nbytes for w in dense) / 2**20}
     kernel = integer_kernel()
-    isa = kernel[kernel.find("(") + 1:].split(")")[0].split(":")[0].replace(" ", "_").lower()
+    isa = kernel[kernel.find("(") + 1:].split(")")[0].split(":")[0].split(";")[0].replace(" ", "_").lower()
+    isa += "_amx" if "AMX" in kernel else ""
     save(args.name or f"int_linear_{isa}", {"model": args.model, "layers": len(layers), "kernel": kernel,
                                "dense_dtype": str(dtype), "weights": weights, "results": results})
 

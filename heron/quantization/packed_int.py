@@ -244,6 +244,8 @@ def integer_kernel() -> str:
     """The kernel packed integer weights go through on this machine."""
     if cpu_kernels() is None:
         return "no CPU kernels: dequantized per matmul"
+    if amx_rows := cpu_kernels().int_linear_amx_rows():
+        return f"int8-dot kernel (AVX-512 VNNI; AMX tiles from {amx_rows} rows)"
     if {"avx512_vnni", "avx512bw"} <= cpu_flags():
         return "int8-dot kernel (AVX-512 VNNI)"
     if {"avx2", "fma", "f16c"} <= cpu_flags():

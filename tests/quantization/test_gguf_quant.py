@@ -110,18 +110,24 @@ def test_kernel_products_at_the_extremes_do_not_saturate(bits):
     q = q.repeat(6, 2)  # 18 rows of 64 inputs
     shard = IntShard(q, torch.full((18, 2), 0.5), torch.full((18, 2), -1.0), bits, 32)
     x = torch.tensor([1.0, -1.0, 1.0, 1.0] * 16).repeat(3, 1) * torch.tensor([[1.0], [-1.0], [3.0]])
-    y = packed_int.linear(x, pack(shard))
-    torch.testing.assert_close(y.double(), kernel_reference(x, shard), rtol=1e-6, atol=1e-6)
+    x = x.repeat(6, 1)  # 18 rows: AMX tiles where the CPU has them, the VNNI/AVX2 loop for a few rows
+    for rows in (3, 18):
+        y = packed_int.linear(x[:rows], pack(shard))
+        torch.testing.assert_close(y.double(), kernel_reference(x[:rows], shard), rtol=1e-6, atol=1e-6)
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K], ids=lambda t: t.name)
-def test_kernel_rows_do_not_depend_on_their_batch(qtype):
-    """Bit for bit, in a batch of any size: greedy output cannot depend on batching or prefix-cache hits."""
-    packed = pack(int_shard(random_blocks(qtype, 48, 256)))
-    x = torch.randn(41, 256, dtype=torch.bfloat16)
-    batched = packed_int.linear(x, packed)
-    assert torch.equal(batched, torch.cat([packed_int.linear(row[None], packed) for row in x]))
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_rows_do_not_depend_on_their_batch(qtype, dtype):
+    """Bit for bit, in a batch of any size: greedy output cannot depend on batching or prefix-cache hits. A few
+    rows take the VNNI/AVX2 loop, more (where the CPU has AMX) tile multiplies by pairs of 16-row blocks: the
+    same integer sums and float steps."""
+    packed = pack(int_shard(random_blocks(qtype, 72, 256)))  # 4.5 tiles of 16 outputs: pairs and one alone
+    x = torch.randn(45, 256, dtype=dtype)
+    alone = torch.cat([packed_int.linear(row[None], packed) for row in x])
+    for rows in (45, 33, 16, 12, 7, 2):
+        assert torch.equal(packed_int.linear(x[:rows], packed), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("rows", [3, 40])

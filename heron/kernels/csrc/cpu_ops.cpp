@@ -289,6 +289,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
                               double scale, int64_t window, double k_scale, double v_scale);
 torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                          int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
+int64_t int_linear_amx_rows();
 
 void bind_decoder_stack(pybind11::module& m);
 
@@ -297,7 +298,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place on q and k");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused gate/up projection");
   m.def("gemv_bf16", &gemv_bf16, "bfloat16 y = x W^T for a few rows, at memory speed");
-  m.def("int_linear", &int_linear, "y = x W^T for a packed 4/8-bit W, int8 activations (AVX-512 VNNI)");
+  m.def("int_linear", &int_linear, "y = x W^T for a packed 4/8-bit W, int8 activations (AVX-512 VNNI, AMX)");
+  m.def("int_linear_amx_rows", &int_linear_amx_rows, "rows from which int_linear multiplies in AMX tiles (0: never)");
   m.def("store_kv", &store_kv, "write keys and values into their paged-pool slots (quantized into a float8 pool)",
         py::arg("k"), py::arg("v"), py::arg("kv_cache"), py::arg("slots"), py::arg("k_scale") = 1.0,
         py::arg("v_scale") = 1.0);

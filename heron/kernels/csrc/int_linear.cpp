@@ -3,13 +3,21 @@
 // 4 consecutive inputs. Activations are quantized to int8 per 32 inputs (as llama.cpp's q8 blocks), so
 //   sum_k w x ~= sum_g scale_g * sum_b dx_b * sum_{k in b} q_k qx_k + min_g * sum_{k in g} dx qx
 // and the inner sum is one AVX-512 VNNI instruction per 16 rows x 4 inputs (u8 weights x s8 activations), or
-// two AVX2 instructions per 8 rows x 4 inputs where there is no VNNI.
+// two AVX2 instructions per 8 rows x 4 inputs where there is no VNNI. With AMX, 16 activation rows at a time take
+// one tile multiply per 16 outputs x 32 inputs instead (the same integer sums, the same float32 steps: equal bits).
 #include "float_rows.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -43,37 +51,53 @@ struct QuantizedActivations {
   std::vector<int32_t> sum16;  // sum of the int8 values per 16 inputs [M, Kp/16]
 };
 
+// 32 inputs to int8 with the scale max|v| / 127 (rounded to nearest even), and the sums of each 16 int8 values.
+inline void quantize_block(const float* v, int8_t* q, float* scale, int32_t* sum16) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), r1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(r0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(r1));
+  sum16[0] = _mm512_reduce_add_epi32(r0), sum16[1] = _mm512_reduce_add_epi32(r1);
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < kActBlock; ++i) amax = std::max(amax, std::abs(v[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  sum16[0] = sum16[1] = 0;
+  for (int64_t i = 0; i < kActBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+    sum16[i / 16] += q[i];
+  }
+#endif
+  *scale = amax / 127.f;
+}
+
+// Rows M .. rows - 1 (padding for a pass of whole row blocks) are zeros.
 template <typename T>
-QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t G) {
-  QuantizedActivations a{std::vector<int8_t>(M * Kp), std::vector<float>(M * Kp / kActBlock),
-                         std::vector<float>(M * Kp / G), std::vector<int32_t>(M * Kp / 16)};
+QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t rows, int64_t K, int64_t Kp, int64_t G) {
+  QuantizedActivations a{std::vector<int8_t>(rows * Kp), std::vector<float>(rows * Kp / kActBlock),
+                         std::vector<float>(rows * Kp / G), std::vector<int32_t>(rows * Kp / 16)};
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    float buf[kActBlock];
+    std::vector<float> row(Kp, 0.f);  // inputs K .. Kp - 1 stay zero
     for (int64_t m = begin; m < end; ++m) {
+      heron::load_row(x + m * K, row.data(), K);
       int8_t* q = a.q.data() + m * Kp;
       float* scale = a.scale.data() + m * Kp / kActBlock;
-      for (int64_t b = 0; b < Kp / kActBlock; ++b) {
-        float amax = 0.f;
-        for (int64_t i = 0; i < kActBlock; ++i) {
-          const int64_t k = b * kActBlock + i;
-          buf[i] = k < K ? heron::to_f32(x + m * K + k) : 0.f;
-          amax = std::max(amax, std::abs(buf[i]));
-        }
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        scale[b] = d;
-        for (int64_t i = 0; i < kActBlock; ++i) q[b * kActBlock + i] = static_cast<int8_t>(std::nearbyint(buf[i] * inv));
-      }
       int32_t* sum16 = a.sum16.data() + m * Kp / 16;
-      for (int64_t s = 0; s < Kp / 16; ++s) {
-        int32_t total = 0;
-        for (int64_t k = s * 16; k < (s + 1) * 16; ++k) total += q[k];
-        sum16[s] = total;
-      }
+      for (int64_t b = 0; b < Kp / kActBlock; ++b) quantize_block(row.data() + b * kActBlock, q + b * kActBlock, scale + b, sum16 + 2 * b);
+      // the min term's sum of the dequantized inputs per weight group: exact integer sums, one rounding per block
       float* group_sum = a.group_sum.data() + m * Kp / G;
       for (int64_t g = 0; g < Kp / G; ++g) {
-        float s = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) s += scale[k / kActBlock] * q[k];
-        group_sum[g] = s;
+        if (G == 16) {
+          group_sum[g] = scale[g / 2] * static_cast<float>(sum16[g]);
+          continue;
+        }
+        float total = 0.f;
+        for (int64_t b = g * G / kActBlock; b < (g + 1) * G / kActBlock; ++b)
+          total += scale[b] * static_cast<float>(sum16[2 * b] + sum16[2 * b + 1]);
+        group_sum[g] = total;
       }
     }
   });
@@ -320,6 +344,108 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
 
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HERON_AMX_INT8 1
+
+constexpr int64_t kAmxRows = 16;     // activation rows per tile multiply
+constexpr int64_t kAmxMinRows = 12;  // fewer rows: the VNNI loop (a tile multiply costs the same for 1 row as 16)
+constexpr int64_t kTileInts = kAmxRows * kRows;  // one int32 result tile
+
+// Linux hands out AMX state only to processes that ask for it (once; oneDNN asks the same way). HERON_AMX=0 keeps
+// the VNNI loop (to compare: both give the same bits).
+bool amx_usable() {
+  static const bool usable = std::string(std::getenv("HERON_AMX") ? std::getenv("HERON_AMX") : "1") != "0" &&
+                             syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return usable;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile registers: 0, 1 activations [16 rows][sub int8] of two row blocks; 2, 3 weights [sub/4][16 outputs x 4
+// inputs] of two packed tiles (the layout's 64-byte steps, 4-bit ones unpacked); 4 + 2 t + b the int32 sums of
+// packed tile t x row block b. Loaded by every thread before its tile multiplies (oneDNN loads its own).
+void configure_tiles(int64_t sub) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = t >= 2 && t < 4 ? static_cast<uint8_t>(sub / 4) : kAmxRows;
+    c.colsb[t] = t < 2 ? static_cast<uint16_t>(sub) : 64;
+  }
+  // GCC 12's _tile_loadconfig declares a read of 8 bytes only, and drops the stores to the rest as dead
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+// A tile's weights as one byte per input in the tile layout of 8-bit weights (4-bit steps of 8 inputs -> 2 steps).
+void unpack_tile4(const uint8_t* w, int64_t Kp, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t s = 0; s < Kp / 8; ++s) {
+    const __m512i v = _mm512_loadu_si512(w + s * 64);
+    _mm512_storeu_si512(out + 2 * s * 64, _mm512_and_si512(v, low4));
+    _mm512_storeu_si512(out + (2 * s + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+}
+
+// Sums of packed tile t x row block b into register C = 4 + 2t + b (from A = b, B = 2 + t), stored to ``out``.
+// GCC's tile intrinsics paste the register numbers into the instruction text: literal numbers only.
+#define HERON_TILE_MULTIPLY(C, A, B, out) \
+  _tile_zero(C);                          \
+  _tile_dpbsud(C, A, B);                  \
+  _tile_stored(C, out, 64)
+
+// NT (1-2) packed tiles x NB (1-2) blocks of 16 activation rows from m0 (rows past M are zeros): acc [2 t + b]
+// [16 rows][16 outputs] float32. Each block of ``sub`` inputs is one tile multiply per pair (signed activations x
+// unsigned weights, 8-bit layout ``w[t]``) whose sums the float32 steps of tile_dot take in its order (the block's
+// scale, then at a group's end its min term), so every row gets tile_dot's bits. The float steps of a block run
+// while the tile unit multiplies the next one (sums double-buffered).
+template <int NT, int NB, typename S>
+void amx_tiles(const uint8_t* const* w, const S* const* scales, const S* const* mins, int64_t Kp, int64_t G,
+               const QuantizedActivations& a, int64_t m0, int32_t* sums, float* acc) {
+  const int64_t sub = std::min(G, kActBlock), blocks = Kp / sub;
+  int32_t* next = sums;
+  int32_t* done = sums + 4 * kTileInts;
+  for (int i = 0; i < NT * NB * kTileInts; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  for (int64_t blk = 0; blk <= blocks; ++blk) {
+    if (blk < blocks) {
+      const int64_t k = blk * sub;
+      _tile_loadd(0, a.q.data() + m0 * Kp + k, Kp);
+      if constexpr (NB == 2) _tile_loadd(1, a.q.data() + (m0 + kAmxRows) * Kp + k, Kp);
+      _tile_loadd(2, w[0] + k * 16, 64);
+      if constexpr (NT == 2) _tile_loadd(3, w[1] + k * 16, 64);
+      HERON_TILE_MULTIPLY(4, 0, 2, next);
+      if constexpr (NB == 2) { HERON_TILE_MULTIPLY(5, 1, 2, next + kTileInts); }
+      if constexpr (NT == 2) { HERON_TILE_MULTIPLY(6, 0, 3, next + 2 * kTileInts); }
+      if constexpr (NT == 2 && NB == 2) { HERON_TILE_MULTIPLY(7, 1, 3, next + 3 * kTileInts); }
+    }
+    if (blk > 0) {
+      const int64_t k = (blk - 1) * sub, g = k / G;
+      const bool group_end = (k + sub) % G == 0;
+      for (int t = 0; t < NT; ++t) {
+        const __m512 ws = load16(scales[t] + g * kRows);
+        const __m512 ms = load16(mins[t] + g * kRows);
+        for (int b = 0; b < NB; ++b) {
+          const int32_t* dot = done + (2 * t + b) * kTileInts;
+          float* out = acc + (t * NB + b) * kTileInts;
+          const float* xs = a.scale.data() + (m0 + b * kAmxRows) * (Kp / kActBlock) + k / kActBlock;
+          const float* gs = a.group_sum.data() + (m0 + b * kAmxRows) * (Kp / G) + g;
+          for (int m = 0; m < kAmxRows; ++m) {
+            const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[m * (Kp / kActBlock)]));
+            __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dot + m * kRows)), s,
+                                       _mm512_load_ps(out + m * kRows));
+            if (group_end) r = _mm512_fmadd_ps(ms, _mm512_set1_ps(gs[m * (Kp / G)]), r);
+            _mm512_store_ps(out + m * kRows, r);
+          }
+        }
+      }
+    }
+    std::swap(next, done);
+  }
+}
+
+#endif
+
 // One pass over NT (1 or 2) tiles for MT (1-4) activation rows: the template arguments picked at run time.
 template <int BITS, int NT, typename S>
 void tile_rows(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
@@ -337,6 +463,18 @@ void tiles_rows(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* 
                 const QuantizedActivations& a, int64_t m0, int64_t rows, int64_t nt, float* out) {
   if (nt == 2) tile_rows<BITS, 2, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, rows, out);
   else tile_rows<BITS, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, rows, out);
+}
+
+// Rows m0 .. m0 + rows - 1 of one tile's 16 outputs (out [rows][16], float32) into y [M, n], plus the bias.
+template <typename T>
+void store_tile(const float* out, int64_t rows, int64_t m0, int64_t col0, int64_t n, const float* bias, T* y) {
+  const int64_t cols = std::min(kRows, n - col0);
+  float row[kRows];
+  for (int64_t m = 0; m < rows; ++m) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) row[c] = out[m * kRows + c] + (bias ? bias[col0 + c] : 0.f);
+    heron::store_row(row, y + (m0 + m) * n + col0, cols);
+  }
 }
 
 void check_packed(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& mins,
@@ -367,35 +505,78 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
   torch::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
+#ifdef HERON_AMX_INT8
+  const bool amx = M >= kAmxMinRows && amx_usable();
+#else
+  const bool amx = false;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int_linear", [&] {
-    const QuantizedActivations a = quantize_activations(x.data_ptr<scalar_t>(), M, K, Kp, group);
+    const int64_t padded_rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
+    const QuantizedActivations a = quantize_activations(x.data_ptr<scalar_t>(), M, padded_rows, K, Kp, group);
     scalar_t* yp = y.data_ptr<scalar_t>();
     const uint8_t* wp = qweight.data_ptr<uint8_t>();
     const int64_t tile_bytes = qweight.size(1) * kRows * 4, groups = Kp / group;
-    // pairs of tiles: each weight byte unpacked once feeds up to 4 activation rows x 2 accumulators
     dispatch_scales(scales, [&](auto scale_type) {
       using S = std::remove_cv_t<std::remove_pointer_t<decltype(scale_type)>>;
+      const S* scales_p = static_cast<const S*>(scales.data_ptr());
+      const S* mins_p = static_cast<const S*>(mins.data_ptr());
+#ifdef HERON_AMX_INT8
+      if (amx) {  // pairs of tiles x pairs of row blocks, the weights unpacked once for all row blocks
+        at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+          configure_tiles(std::min(group, kActBlock));
+          std::vector<uint8_t> unpacked(bits == 4 ? 2 * Kp * kRows : 0);
+          alignas(64) int32_t sums[2 * 4 * kTileInts];
+          alignas(64) float acc[4 * kTileInts];
+          for (int64_t pair = begin; pair < end; ++pair) {
+            const int64_t t0 = 2 * pair, nt = std::min<int64_t>(2, tiles - t0);
+            const uint8_t* w[2];
+            const S *sp[2], *mp[2];
+            for (int64_t t = 0; t < nt; ++t) {
+              w[t] = wp + (t0 + t) * tile_bytes;
+              if (bits == 4) unpack_tile4(w[t], Kp, unpacked.data() + t * Kp * kRows), w[t] = unpacked.data() + t * Kp * kRows;
+              sp[t] = scales_p + (t0 + t) * groups * kRows, mp[t] = mins_p + (t0 + t) * groups * kRows;
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {
+              const int64_t nb = M - m0 > kAmxRows ? 2 : 1;
+              if (nt == 2 && nb == 2) amx_tiles<2, 2, S>(w, sp, mp, Kp, group, a, m0, sums, acc);
+              else if (nt == 2) amx_tiles<2, 1, S>(w, sp, mp, Kp, group, a, m0, sums, acc);
+              else if (nb == 2) amx_tiles<1, 2, S>(w, sp, mp, Kp, group, a, m0, sums, acc);
+              else amx_tiles<1, 1, S>(w, sp, mp, Kp, group, a, m0, sums, acc);
+              for (int64_t t = 0; t < nt; ++t)
+                for (int64_t b = 0; b < nb; ++b)
+                  store_tile(acc + (t * nb + b) * kTileInts, std::clamp<int64_t>(M - m0 - b * kAmxRows, 0, kAmxRows),
+                             m0 + b * kAmxRows, (t0 + t) * kRows, n, bp, yp);
+            }
+          }
+        });
+        return;
+      }
+#endif
+      // pairs of tiles: each weight byte unpacked once feeds up to 4 activation rows x 2 accumulators
       at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
         float out[2 * kMaxTileRows * kRows];
         for (int64_t pair = begin; pair < end; ++pair) {
           const int64_t t0 = 2 * pair, nt = std::min<int64_t>(2, tiles - t0);
-          const S* sp = static_cast<const S*>(scales.data_ptr()) + t0 * groups * kRows;
-          const S* mp = static_cast<const S*>(mins.data_ptr()) + t0 * groups * kRows;
+          const S* sp = scales_p + t0 * groups * kRows;
+          const S* mp = mins_p + t0 * groups * kRows;
           for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
             const int64_t rows = std::min(kMaxTileRows, M - m0);
             if (bits == 8) tiles_rows<8, S>(wp + t0 * tile_bytes, tile_bytes, sp, mp, Kp, group, a, m0, rows, nt, out);
             else tiles_rows<4, S>(wp + t0 * tile_bytes, tile_bytes, sp, mp, Kp, group, a, m0, rows, nt, out);
-            for (int64_t t = 0; t < nt; ++t) {
-              const int64_t col0 = (t0 + t) * kRows, cols = std::min(kRows, n - col0);
-              for (int64_t m = 0; m < rows; ++m)
-                for (int64_t c = 0; c < cols; ++c)
-                  heron::from_f32(yp + (m0 + m) * n + col0 + c,
-                                  out[(t * rows + m) * kRows + c] + (bp ? bp[col0 + c] : 0.f));
-            }
+            for (int64_t t = 0; t < nt; ++t) store_tile(out + t * rows * kRows, rows, m0, (t0 + t) * kRows, n, bp, yp);
           }
         }
       });
     });
   });
   return y;
+}
+
+// The row count from which int_linear takes AMX tiles here, 0 where it never does (no AMX, or HERON_AMX=0).
+int64_t int_linear_amx_rows() {
+#ifdef HERON_AMX_INT8
+  return amx_usable() ? kAmxMinRows : 0;
+#else
+  return 0;
+#endif
 }
