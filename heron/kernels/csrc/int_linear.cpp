@@ -87,16 +87,10 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t rows, i
       float* scale = a.scale.data() + m * Kp / kActBlock;
       int32_t* sum16 = a.sum16.data() + m * Kp / 16;
       for (int64_t b = 0; b < Kp / kActBlock; ++b) quantize_block(row.data() + b * kActBlock, q + b * kActBlock, scale + b, sum16 + 2 * b);
-      // the min term's sum of the dequantized inputs per weight group: exact integer sums, one rounding per block
-      float* group_sum = a.group_sum.data() + m * Kp / G;
+      float* group_sum = a.group_sum.data() + m * Kp / G;  // the min term's: from the same rounded values
       for (int64_t g = 0; g < Kp / G; ++g) {
-        if (G == 16) {
-          group_sum[g] = scale[g / 2] * static_cast<float>(sum16[g]);
-          continue;
-        }
         float total = 0.f;
-        for (int64_t b = g * G / kActBlock; b < (g + 1) * G / kActBlock; ++b)
-          total += scale[b] * static_cast<float>(sum16[2 * b] + sum16[2 * b + 1]);
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) total += scale[k / kActBlock] * q[k];
         group_sum[g] = total;
       }
     }
