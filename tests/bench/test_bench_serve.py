@@ -29,15 +29,21 @@ def _run(server, n: int, shape: LoadShape, endpoint="/v1/completions", timeout=3
     return asyncio.run(run_load(cfg, _requests(n), shape, tokenizer, progress=False))
 
 
+def _near_delay(measured_ms: float, delay_s: float) -> bool:
+    """A latency measured for a known server delay: never much under it, and a busy machine (CI runs
+    several test processes) may lengthen it, but not by half."""
+    return 0.95 * delay_s * 1000 <= measured_ms <= 1.5 * delay_s * 1000
+
+
 def test_measured_latencies_and_throughput_match_known_delays(fake_server):
     result = _run(fake_server, 16, LoadShape(max_concurrency=4))
     s = summarize(result.records, result.duration_s)
     assert s["completed"] == 16 and s["failed"] == 0
-    assert s["ttft_ms"]["median"] == pytest.approx(TTFT * 1000, rel=0.1)
-    assert s["itl_ms"]["mean"] == pytest.approx(ITL * 1000, rel=0.1)
-    assert s["tpot_ms"]["median"] == pytest.approx(ITL * 1000, rel=0.1)
+    assert _near_delay(s["ttft_ms"]["median"], TTFT), s["ttft_ms"]
+    assert _near_delay(s["itl_ms"]["mean"], ITL), s["itl_ms"]
+    assert _near_delay(s["tpot_ms"]["median"], ITL), s["tpot_ms"]
     per_request = TTFT + (TOKENS - 1) * ITL
-    assert s["e2el_ms"]["median"] == pytest.approx(per_request * 1000, rel=0.1)
+    assert _near_delay(s["e2el_ms"]["median"], per_request), s["e2el_ms"]
     # throughputs are over the run's wall time, which four waves of four cannot beat; a busy machine (the
     # client's scheduling between waves) may only lengthen it
     waves = 16 / 4
