@@ -144,13 +144,28 @@ def _squeezed(shape: torch.Size) -> list[int]:
     return [d for d in shape if d != 1]
 
 
+def copy_fits(weight: torch.Tensor) -> bool:
+    """Whether a copy of ``weight`` leaves a quarter of the machine's memory free (a large model keeps none)."""
+    return available_memory() - weight.nbytes > total_memory() // 4
+
+
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [out, in] in oneDNN's blocked layout (``F.linear`` would reorder it on every call), for a
-    bfloat16 CPU weight where oneDNN is built in and the copy leaves a quarter of the machine's memory free
-    (a large model keeps ``F.linear`` instead); else None."""
+    bfloat16 CPU weight where oneDNN is built in and the copy fits (``copy_fits``); else None."""
     if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and has_native_bf16()
-            and torch.backends.mkldnn.is_available()
-            and available_memory() - weight.nbytes > total_memory() // 4):
+            and torch.backends.mkldnn.is_available() and copy_fits(weight)):
         return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS)
     return None
+
+
+def tile_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] in the layout of heron's AMX bfloat16 matmul (``kernels.tile_linear``: [out/16,
+    in/32, 16 input pairs, 16 outputs x 2], out padded to 32 with zeros), where the CPU has the tiles, ``in`` is
+    a multiple of 32 and the copy fits (``copy_fits``); else None."""
+    kernels = kernels_for(weight)
+    n, k = weight.shape
+    if kernels is None or not kernels.tile_linear_available() or k % 32 or not copy_fits(weight):
+        return None
+    padded = F.pad(weight.to(torch.bfloat16), (0, 0, 0, -n % 32))
+    return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 16, 32).contiguous()
 

@@ -13,13 +13,15 @@ padded to 16 and K to the kernel's block (rows and inputs of zeros that add noth
 reference the kernel is tested against.
 
 Where the CPU has AMX and the model computes in bfloat16, a layer also keeps its weight dequantized to bfloat16
-in oneDNN's packed layout (``prompt_weight``) for a step's prompt rows (heron/layers/prompt_rows.py): AMX
-tiles multiply many rows several times faster than the int8-dot kernel, which wins at a few rows (it reads a
-quarter of the bytes): generated tokens keep the kernel. oneDNN picks its blocking, hence a row's last bits,
-by the number of rows, so prompt rows go through it in calls of ``PROMPT_BLOCK`` rows (the last one padded with
-zeros): a row's result is then the same whatever its batch, chunking or prefix-cache hits (tested). The copy
-costs the memory of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and
-every row takes the integer kernel.
+in the tile layout of heron's AMX bfloat16 matmul (``prompt_weight``, ``kernels.tile_linear``) for a step's
+prompt rows (heron/layers/prompt_rows.py): bfloat16 tiles multiply many rows several times faster than the
+integer kernel, whose int8 tiles pay a float step per 32 inputs, and which wins at a few rows (it reads a
+quarter of the bytes): generated tokens keep it. Each of tile_linear's outputs is one float32 sum in a fixed
+order, so a row's result is the same whatever its batch, chunking or prefix-cache hits (tested), with all of a
+step's prompt rows in one call (oneDNN's GEMM, whose blocking and so a row's last bits follow the number of
+rows, needed calls of a fixed size, the last one padded: 2.4x slower at 512 rows). The copy costs the memory
+of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and every row takes
+the integer kernel.
 """
 
 from __future__ import annotations
@@ -36,11 +38,10 @@ from torch import nn
 from heron.cpu import cpu_flags
 from heron.kernels import cpu_kernels, kernels_for
 from heron.layers.prompt_rows import current_rows
-from heron.quantization.base import QuantizationMethod, onednn_linear, onednn_packed
+from heron.quantization.base import QuantizationMethod, tile_packed
 
 ROWS = 16  # output rows per packed tile: one AVX-512 register of int32 lanes
 ACT_BLOCK = 32  # inputs per activation quantization block (the kernel's int8 x; as llama.cpp's q8 blocks)
-PROMPT_BLOCK = 128  # prompt rows per oneDNN call on a prompt weight
 
 
 @dataclass
@@ -180,29 +181,21 @@ def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None,
         return kernels.int_linear(x.contiguous(), packed.qweight, packed.scales, packed.mins, packed.bits,
                                   packed.group, packed.n, bias)
     if rows.other is None:
-        return prompt_linear(x, prompt_weight, bias)
+        return kernels.tile_linear(x, prompt_weight, bias, packed.n)
     out = x.new_empty(x.shape[0], packed.n)
     out[rows.other] = kernels.int_linear(x[rows.other], packed.qweight, packed.scales, packed.mins, packed.bits,
                                          packed.group, packed.n, bias)
-    out[rows.prompt] = prompt_linear(x[rows.prompt], prompt_weight, bias)
+    out[rows.prompt] = kernels.tile_linear(x[rows.prompt], prompt_weight, bias, packed.n)
     return out
 
 
-def prompt_linear(x: torch.Tensor, prompt_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + bias`` through oneDNN on W's bfloat16 copy, ``PROMPT_BLOCK`` rows per call (see the module
-    docstring)."""
-    rows = x.shape[0]
-    padded = torch.nn.functional.pad(x, (0, 0, 0, -rows % PROMPT_BLOCK))
-    out = torch.cat([onednn_linear(block, prompt_weight, bias) for block in padded.split(PROMPT_BLOCK)])
-    return out[:rows]
-
-
 def prompt_weight_of(packed: PackedInt, dtype: torch.dtype) -> torch.Tensor | None:
-    """``packed`` dequantized to bfloat16 in oneDNN's layout, for prompt rows (see the module docstring),
-    where the CPU has AMX, the model computes in bfloat16 and ``onednn_packed`` finds the memory; else None."""
-    if dtype != torch.bfloat16 or "amx_bf16" not in cpu_flags() or os.environ.get("HERON_PROMPT_WEIGHTS") == "0":
+    """``packed`` dequantized to bfloat16 in ``tile_linear``'s layout, for prompt rows (see the module
+    docstring), where the model computes in bfloat16 and ``tile_packed`` has the tiles and the memory; else
+    None."""
+    if dtype != torch.bfloat16 or os.environ.get("HERON_PROMPT_WEIGHTS") == "0":
         return None
-    return onednn_packed(packed.dequantize(torch.bfloat16))
+    return tile_packed(packed.dequantize(torch.bfloat16))
 
 
 class PackedIntLinearMethod(QuantizationMethod):
@@ -231,7 +224,7 @@ class PackedIntLinearMethod(QuantizationMethod):
     def describe(self, layer: nn.Module) -> str:
         """The kernel the packed weight goes through here."""
         if layer.prompt_weight is not None:
-            return f"{integer_kernel()}, prompt tokens through a bfloat16 copy (oneDNN, AMX)"
+            return f"{integer_kernel()}, prompt tokens through a bfloat16 copy (AMX tiles)"
         return integer_kernel()
 
     def stack_linear(self, layer: nn.Module, kernels: ModuleType):

@@ -28,5 +28,5 @@ def describe_weights(model: nn.Module) -> str:
     paths = Counter(m.quant_method.describe(m) or "dense" for m in linears)
     layers = "; ".join(f"{n} {path}" for path, n in paths.items())
     copies = copy_bytes(model)
-    extra = f" (+{copies / 2**20:.1f} MiB of oneDNN copies)" if copies else ""
+    extra = f" (+{copies / 2**20:.1f} MiB of bfloat16 copies)" if copies else ""
     return f"weights {weight_bytes(model) / 2**20:.1f} MiB{extra}; linear layers: {layers}"

@@ -1,7 +1,7 @@
 """Integer-weight layers with a bfloat16 copy for prompt tokens (heron/quantization/packed_int.py): prompt rows
-go through oneDNN on the copy in calls of a fixed size, every other row through the integer kernel exactly as
-without it, so a row's result in these layers never depends on its batch, its prompt's chunks or prefix-cache
-hits."""
+go through heron's AMX bfloat16 matmul on the copy (kernels.tile_linear), every other row through the integer
+kernel exactly as without it, so a row's result in these layers never depends on its batch, its prompt's chunks
+or prefix-cache hits."""
 
 from __future__ import annotations
 
@@ -12,16 +12,14 @@ from gguf import GGMLQuantizationType
 from helpers import heron_logits, write_gguf
 
 from heron import LLM, SamplingParams
-from heron.cpu import has_native_bf16
 from heron.kernels import cpu_kernels
 from heron.layers.prompt_rows import current_rows, step_rows
-from heron.quantization import packed_int
-from heron.quantization.base import onednn_packed
-from heron.quantization.packed_int import PROMPT_BLOCK, IntShard, linear, pack, prompt_weight_of
+from heron.quantization import base, packed_int
+from heron.quantization.base import tile_packed
+from heron.quantization.packed_int import IntShard, linear, pack, prompt_weight_of
 
-needs_onednn_bf16 = pytest.mark.skipif(
-    cpu_kernels() is None or not has_native_bf16() or not torch.backends.mkldnn.is_available(),
-    reason="needs heron's CPU kernels and oneDNN's bfloat16 linear (native bfloat16)")
+needs_tiles = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().tile_linear_available(),
+                                 reason="needs heron's CPU kernels on a CPU with AMX bfloat16 tiles")
 
 
 def test_step_rows_name_the_prompt_rows_of_each_sequence():
@@ -43,10 +41,10 @@ def random_packed(n: int = 96, k: int = 256, bits: int = 4, group: int = 32) -> 
                          bits, group))
 
 
-@needs_onednn_bf16
+@needs_tiles
 def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_in_any_step():
     packed = random_packed()
-    copy = onednn_packed(packed.dequantize(torch.bfloat16))
+    copy = tile_packed(packed.dequantize(torch.bfloat16))
     bias = torch.randn(packed.n).bfloat16()
     query_lens, prompt_rows = [3, 150, 1, 30], [3, 150, 0, 29]  # 30: a prompt's last token and a draft
     x = torch.randn(sum(query_lens), packed.k).bfloat16()
@@ -59,30 +57,44 @@ def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_
     assert not torch.equal(out[prompt], linear(x[prompt], packed, bias))  # another kernel...
     reference = F.linear(x[prompt].float(), packed.dequantize(), bias.float())
     torch.testing.assert_close(out[prompt].float(), reference, atol=0.05, rtol=0.02)  # ...the same product
-    assert len(prompt) > PROMPT_BLOCK  # several oneDNN calls, the last one padded
-    for part in (prompt[:5], prompt[100:170], prompt[-1:]):  # alone, or as another step's prompt rows
+    # alone, or as another step's prompt rows: in other tile rows, other row blocks, beside other rows
+    for part in (prompt[:5], prompt[100:170], prompt[-1:], prompt[3:150]):
         with step_rows([len(part)], [len(part)]):
             torch.testing.assert_close(linear(x[part], packed, bias, copy), out[part], atol=0, rtol=0)
 
 
-def test_the_copy_is_kept_only_for_bfloat16_on_amx(monkeypatch):
+def test_the_copy_is_kept_only_for_bfloat16_with_amx_tiles_and_memory(monkeypatch):
     packed = random_packed()
-    monkeypatch.setattr(packed_int, "cpu_flags", lambda: frozenset({"avx512f"}))
-    assert prompt_weight_of(packed, torch.bfloat16) is None  # no AMX: the integer kernel is the faster at any size
-    monkeypatch.setattr(packed_int, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    tiles = cpu_kernels() is not None and cpu_kernels().tile_linear_available()
+    # no AMX: the integer kernel is the faster at any size
+    assert (prompt_weight_of(packed, torch.bfloat16) is not None) == tiles
     assert prompt_weight_of(packed, torch.float32) is None
     monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "0")
     assert prompt_weight_of(packed, torch.bfloat16) is None
     monkeypatch.delenv("HERON_PROMPT_WEIGHTS")
-    assert (prompt_weight_of(packed, torch.bfloat16) is not None) == (onednn_packed(
-        packed.dequantize(torch.bfloat16)) is not None)
+    monkeypatch.setattr(base, "available_memory", lambda: 0)  # the copy would not fit
+    assert prompt_weight_of(packed, torch.bfloat16) is None
 
 
-@needs_onednn_bf16
+@needs_tiles
+@pytest.mark.parametrize("n, k", [(96, 256), (100, 64), (3072, 576), (40, 1536)])
+def test_tile_linear_is_the_product_and_each_rows_bits_do_not_depend_on_its_batch(n, k):
+    g = torch.Generator().manual_seed(n)
+    w, bias = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(600, k, generator=g).bfloat16()
+    kernels, copy = cpu_kernels(), tile_packed(w)
+    out = kernels.tile_linear(x, copy, bias, n)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), bias.float()), atol=0.05, rtol=0.02)
+    # rows alone, in other row blocks and tile rows, or as a strided view
+    for rows in (slice(0, 1), slice(7, 40), slice(250, 600), slice(3, 600, 2)):
+        torch.testing.assert_close(kernels.tile_linear(x[rows], copy, bias, n), out[rows], atol=0, rtol=0)
+    assert torch.equal(kernels.tile_linear(x[:0], copy, None, n), out[:0])
+
+
+@needs_tiles
 @pytest.mark.parametrize("weights", ["int4", "gguf-q4_1"])
 def test_a_model_with_prompt_copies_batches_like_one_at_a_time_and_stays_close_to_the_kernel(
         tiny_model_dir, tmp_path, monkeypatch, weights):
-    monkeypatch.setattr(packed_int, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
     if weights == "int4":
         model, quantization = tiny_model_dir(), "int4"
     else:

@@ -5,6 +5,7 @@
 // and the inner sum is one AVX-512 VNNI instruction per 16 rows x 4 inputs (u8 weights x s8 activations), or
 // two AVX2 instructions per 8 rows x 4 inputs where there is no VNNI. With AMX, 16 activation rows at a time take
 // one tile multiply per 16 outputs x 32 inputs instead (the same integer sums, the same float32 steps: equal bits).
+#include "amx.h"
 #include "float_rows.h"
 
 #include <ATen/Parallel.h>
@@ -13,11 +14,6 @@
 #include <cstdlib>
 #include <string>
 #include <vector>
-
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -345,31 +341,16 @@ constexpr int64_t kAmxRows = 16;     // activation rows per tile multiply
 constexpr int64_t kAmxMinRows = 12;  // fewer rows: the VNNI loop (a tile multiply costs the same for 1 row as 16)
 constexpr int64_t kTileInts = kAmxRows * kRows;  // one int32 result tile
 
-// Linux hands out AMX state only to processes that ask for it (once; oneDNN asks the same way). HERON_AMX=0 keeps
-// the VNNI loop (to compare: both give the same bits).
-bool amx_usable() {
-  static const bool usable = std::string(std::getenv("HERON_AMX") ? std::getenv("HERON_AMX") : "1") != "0" &&
-                             syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return usable;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tile registers: 0, 1 activations [16 rows][sub int8] of two row blocks; 2, 3 weights [sub/4][16 outputs x 4
 // inputs] of two packed tiles (the layout's 64-byte steps, 4-bit ones unpacked); 4 + 2 t + b the int32 sums of
-// packed tile t x row block b. Loaded by every thread before its tile multiplies (oneDNN loads its own).
-void configure_tiles(int64_t sub) {
-  TileConfig c;
+// packed tile t x row block b.
+heron::TileConfig tile_config(int64_t sub) {
+  heron::TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = t >= 2 && t < 4 ? static_cast<uint8_t>(sub / 4) : kAmxRows;
     c.colsb[t] = t < 2 ? static_cast<uint16_t>(sub) : 64;
   }
-  // GCC 12's _tile_loadconfig declares a read of 8 bytes only, and drops the stores to the rest as dead
-  asm volatile("ldtilecfg %0" : : "m"(c));
+  return c;
 }
 
 // A tile's weights as one byte per input in the tile layout of 8-bit weights (4-bit steps of 8 inputs -> 2 steps).
@@ -500,7 +481,7 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
 #ifdef HERON_AMX_INT8
-  const bool amx = M >= kAmxMinRows && amx_usable();
+  const bool amx = M >= kAmxMinRows && heron::amx_usable();
 #else
   const bool amx = false;
 #endif
@@ -517,7 +498,7 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 #ifdef HERON_AMX_INT8
       if (amx) {  // pairs of tiles x pairs of row blocks, the weights unpacked once for all row blocks
         at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-          configure_tiles(std::min(group, kActBlock));
+          const heron::TileScope tile_scope(tile_config(std::min(group, kActBlock)));
           std::vector<uint8_t> unpacked(bits == 4 ? 2 * Kp * kRows : 0);
           alignas(64) int32_t sums[2 * 4 * kTileInts];
           alignas(64) float acc[4 * kTileInts];
@@ -569,7 +550,7 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 // The row count from which int_linear takes AMX tiles here, 0 where it never does (no AMX, or HERON_AMX=0).
 int64_t int_linear_amx_rows() {
 #ifdef HERON_AMX_INT8
-  return amx_usable() ? kAmxMinRows : 0;
+  return heron::amx_usable() ? kAmxMinRows : 0;
 #else
   return 0;
 #endif

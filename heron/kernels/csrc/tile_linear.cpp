@@ -1,0 +1,161 @@
+// A bfloat16 matmul on AMX tiles whose rows do not depend on their batch: y = x W^T (+ bias), x [M, K] bfloat16,
+// W in tiles (``pack_tile_weight``: [N/16, K/32, 16 input pairs, 16 outputs x 2] bfloat16, N padded to 32 with
+// zeros). Every output is one float32 sum over the inputs in order, 32 at a time by one tile multiply, whatever
+// M, the row's place in it or the threads: a row's result is the same bits in any batch. oneDNN's GEMM picks its
+// blocking (and so a row's last bits) by the number of rows, which heron's prompt rows cannot allow
+// (heron/quantization/packed_int.py); this kernel takes them in one call instead of oneDNN calls of fixed size.
+//
+// A thread's item is a block of up to kBlockRows activation rows (kept in its L2 cache) times a run of weight
+// tile pairs; per pair and 32 activation rows, four tile multiplies per 32 inputs into four float32 tiles.
+#include "amx.h"
+#include "float_rows.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HERON_AMX_BF16 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileOut = 16;   // outputs per weight tile
+constexpr int64_t kTileIn = 32;    // inputs per tile multiply (16 bfloat16 pairs)
+constexpr int64_t kTileRows = 16;  // activation rows per tile
+constexpr int64_t kBlockRows = 256;  // activation rows of one item
+constexpr int64_t kCachedWeightBytes = 256 * 1024;  // weights multiplied by all of an item's rows in turn
+
+#ifdef HERON_AMX_BF16
+// Tile registers: 0, 1 activations [16 rows][32 inputs] of two row blocks; 2, 3 weights [16 input pairs][16
+// outputs x 2] of two weight tiles; 4 + 2 b + t the float32 sums of row block b x weight tile t.
+heron::TileConfig tile_config() {
+  heron::TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = kTileRows, c.colsb[t] = 64;
+  return c;
+}
+
+// Rows [m0, m0 + 32) of x (``rows`` of them real: a copy padded with zero rows stands in for the last ones) times
+// weight tiles 2j and 2j + 1, into ``sums`` [2 b + t][16][16].
+void multiply_pair(const uint16_t* a, int64_t K, const uint16_t* w, int64_t j, float* sums) {
+  const int64_t steps = K / kTileIn, tile = kTileIn * kTileOut;  // bfloat16s per weight tile
+  const uint16_t* w0 = w + 2 * j * steps * tile;
+  const uint16_t* w1 = w0 + steps * tile;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(0, a + s * kTileIn, K * 2);
+    _tile_loadd(1, a + kTileRows * K + s * kTileIn, K * 2);
+    _tile_loadd(2, w0 + s * tile, 64);
+    _tile_loadd(3, w1 + s * tile, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, sums, 64);
+  _tile_stored(5, sums + 256, 64);
+  _tile_stored(6, sums + 512, 64);
+  _tile_stored(7, sums + 768, 64);
+}
+
+// A tile of sums [16][16] (+ bias) as bfloat16 (rounded to nearest even) into y's rows [m0, m0 + rows), columns
+// [col0, col0 + 16) below n.
+void store_sums(const float* sums, int64_t rows, int64_t m0, int64_t col0, int64_t n, const float* bias,
+                at::BFloat16* y) {
+  const int64_t cols = std::min<int64_t>(kTileOut, n - col0);
+  if (cols <= 0) return;
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_load_ps(sums + m * kTileOut), b);
+    _mm256_mask_storeu_epi16(y + (m0 + m) * n + col0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// The four tiles of sums of tile pair j for rows [m0, m0 + rows).
+void store_pair(const float* sums, int64_t rows, int64_t m0, int64_t j, int64_t n, const float* bias,
+                at::BFloat16* y) {
+  for (int64_t b = 0; b < 2 && b * kTileRows < rows; ++b) {
+    const int64_t block_rows = std::min(kTileRows, rows - b * kTileRows);
+    for (int64_t t = 0; t < 2; ++t)
+      store_sums(sums + (2 * b + t) * kTileRows * kTileOut, block_rows, m0 + b * kTileRows, (2 * j + t) * kTileOut, n,
+                 bias, y);
+  }
+}
+#endif
+
+}  // namespace
+
+// Whether tile_linear runs here: a CPU with AMX bfloat16 tiles the kernel was compiled for, granted by Linux.
+bool tile_linear_available() {
+#ifdef HERON_AMX_BF16
+  return heron::amx_usable();
+#else
+  return false;
+#endif
+}
+
+// y [M, n] = x W^T (+ bias) for bfloat16 x [M, K] and W from pack_tile_weight ([N/16, K/32, 16, 32], N >= n).
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(tile_linear_available(), "tile_linear: no AMX bfloat16 tiles here");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+              weight.dim() == 4 && weight.is_contiguous() && weight.size(2) == kTileIn / 2 &&
+              weight.size(3) == 2 * kTileOut && weight.size(0) % 2 == 0,
+              "tile_linear: bfloat16 x [M, K] and a weight from pack_tile_weight");
+  const int64_t M = x.size(0), K = weight.size(1) * kTileIn, tiles = weight.size(0);
+  TORCH_CHECK(x.size(1) == K && n <= tiles * kTileOut, "tile_linear: x has ", x.size(1), " inputs, the weight ", K);
+  auto y = torch::empty({M, n}, x.options());
+  if (M == 0) return y;
+#ifdef HERON_AMX_BF16
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor bias_f32;
+  if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  // items: row blocks x runs of tile pairs, enough of them to keep every thread busy
+  const int64_t pairs = tiles / 2, blocks = (M + kBlockRows - 1) / kBlockRows;
+  const int64_t threads = at::get_num_threads();
+  const int64_t runs = std::min(pairs, std::max<int64_t>(1, (2 * threads + blocks - 1) / blocks));
+  const int64_t group = std::max<int64_t>(1, kCachedWeightBytes / (2 * K * kTileOut * 2));  // pairs
+  at::parallel_for(0, blocks * runs, 1, [&](int64_t begin, int64_t end) {
+    const heron::TileScope tile_scope(tile_config());
+    alignas(64) float sums[2][4 * kTileRows * kTileOut];  // one pair's while the next pair's are multiplied
+    std::vector<uint16_t> tail(2 * kTileRows * K);
+    // pair j's sums are rounded and stored while the tile unit multiplies the next pair's
+    int64_t pending = -1, pending_rows = 0, pending_m0 = 0, buffer = 0;
+    const auto multiply = [&](const uint16_t* a, int64_t rows, int64_t m0, int64_t j) {
+      multiply_pair(a, K, wp, j, sums[buffer]);
+      if (pending >= 0) store_pair(sums[1 - buffer], pending_rows, pending_m0, pending, n, bp, yp);
+      pending = j, pending_rows = rows, pending_m0 = m0, buffer = 1 - buffer;
+    };
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t block = item / runs, run = item % runs;
+      const int64_t j0 = pairs * run / runs, j1 = pairs * (run + 1) / runs;
+      const int64_t m_end = std::min(M, (block + 1) * kBlockRows);
+      // the block's rows against a few pairs at a time, whose weights stay in the L2 cache meanwhile
+      for (int64_t g0 = j0; g0 < j1; g0 += group) {
+        for (int64_t m0 = block * kBlockRows; m0 < m_end; m0 += 2 * kTileRows) {
+          const int64_t rows = std::min(2 * kTileRows, m_end - m0);
+          const uint16_t* a = xp + m0 * K;
+          if (rows < 2 * kTileRows) {  // the last rows: zero rows below them (rows never mix in a tile multiply)
+            std::memcpy(tail.data(), a, rows * K * sizeof(uint16_t));
+            std::fill(tail.begin() + rows * K, tail.end(), 0);
+            a = tail.data();
+          }
+          for (int64_t j = g0; j < std::min(j1, g0 + group); ++j) multiply(a, rows, m0, j);
+        }
+      }
+    }
+    if (pending >= 0) store_pair(sums[1 - buffer], pending_rows, pending_m0, pending, n, bp, yp);
+  });
+#endif
+  return y;
+}
