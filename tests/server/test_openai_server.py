@@ -61,6 +61,10 @@ def test_completion_stream_matches_whole_and_usage(server, client):
 
 def test_chat_stream_matches_whole_and_usage(server, client):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
+    # both requests below find the prompt in the prefix cache, as this one leaves it: in bfloat16 a prompt's
+    # first run (one long chunk through SDPA) and its cached replay (the tail through the paged kernel) can
+    # differ in their last bits, an open issue measured by benchmarks/bench_batch_invariance.py
+    client.chat.completions.create(model="test-model", messages=messages, max_tokens=1, **GREEDY)
     whole = client.chat.completions.create(model="test-model", messages=messages, max_tokens=10, **GREEDY)
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage.completion_tokens == 10
