@@ -19,7 +19,7 @@ integer kernel, whose int8 tiles pay a float step per 32 inputs, and which wins 
 quarter of the bytes): generated tokens keep it. Each of tile_linear's outputs is one float32 sum in a fixed
 order, so a row's result is the same whatever its batch, chunking or prefix-cache hits (tested), with all of a
 step's prompt rows in one call (oneDNN's GEMM, whose blocking and so a row's last bits follow the number of
-rows, needed calls of a fixed size, the last one padded: 2.4x slower at 512 rows). The copy costs the memory
+rows, needed calls of a fixed size, the last one padded: 2.5x slower at 512 rows). The copy costs the memory
 of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and every row takes
 the integer kernel.
 """

@@ -1,9 +1,10 @@
 // A bfloat16 matmul on AMX tiles whose rows do not depend on their batch: y = x W^T (+ bias), x [M, K] bfloat16,
-// W in tiles (``pack_tile_weight``: [N/16, K/32, 16 input pairs, 16 outputs x 2] bfloat16, N padded to 32 with
-// zeros). Every output is one float32 sum over the inputs in order, 32 at a time by one tile multiply, whatever
-// M, the row's place in it or the threads: a row's result is the same bits in any batch. oneDNN's GEMM picks its
-// blocking (and so a row's last bits) by the number of rows, which heron's prompt rows cannot allow
-// (heron/quantization/packed_int.py); this kernel takes them in one call instead of oneDNN calls of fixed size.
+// W in tiles (heron/quantization/base.py's ``tile_packed``: [N/16, K/32, 16 input pairs, 16 outputs x 2]
+// bfloat16, N padded to 32 with zeros). Every output is one float32 sum over the inputs in order, 32 at a time
+// by one tile multiply, whatever M, the row's place in it or the threads: a row's result is the same bits in any
+// batch. oneDNN's GEMM picks its blocking (and so a row's last bits) by the number of rows, which heron's prompt
+// rows cannot allow (heron/quantization/packed_int.py); this kernel takes them in one call instead of oneDNN
+// calls of fixed size.
 //
 // A thread's item is a block of up to kBlockRows activation rows (kept in its L2 cache) times a run of weight
 // tile pairs; per pair and 32 activation rows, four tile multiplies per 32 inputs into four float32 tiles.
@@ -101,13 +102,13 @@ bool tile_linear_available() {
 #endif
 }
 
-// y [M, n] = x W^T (+ bias) for bfloat16 x [M, K] and W from pack_tile_weight ([N/16, K/32, 16, 32], N >= n).
+// y [M, n] = x W^T (+ bias) for bfloat16 x [M, K] and W from tile_packed ([N/16, K/32, 16, 32], N >= n).
 torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(tile_linear_available(), "tile_linear: no AMX bfloat16 tiles here");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
               weight.dim() == 4 && weight.is_contiguous() && weight.size(2) == kTileIn / 2 &&
               weight.size(3) == 2 * kTileOut && weight.size(0) % 2 == 0,
-              "tile_linear: bfloat16 x [M, K] and a weight from pack_tile_weight");
+              "tile_linear: bfloat16 x [M, K] and a weight from tile_packed");
   const int64_t M = x.size(0), K = weight.size(1) * kTileIn, tiles = weight.size(0);
   TORCH_CHECK(x.size(1) == K && n <= tiles * kTileOut, "tile_linear: x has ", x.size(1), " inputs, the weight ", K);
   auto y = torch::empty({M, n}, x.options());
