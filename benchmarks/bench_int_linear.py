@@ -6,7 +6,7 @@ linear layers (every layer of the model, so the weights come from memory as in a
 For each row count: the model's GGUF blocks through heron's int8-dot kernel (Q4_1 layers, Q8_0 LM head), the
 same weights requantized to 8 bits, and the dense weights in heron's default dtype for this CPU (bfloat16 where
 it is native, else float32; ``--dtype``) through the path heron takes for them (bfloat16: its one-row kernel up
-to 4 rows, oneDNN's packed GEMM above): where the integer kernel gains (memory-bound small batches) and where
+to 4 rows, above its AMX tile matmul where the CPU has the tiles, else oneDNN's packed GEMM): where the integer kernel gains (memory-bound small batches) and where
 it loses to the dense GEMM (e.g. AMX bfloat16 tiles against AVX-512 VNNI int8 dots). Results go to
 ``benchmarks/results/int_linear_<kernel ISA>.json`` (or ``--name``).
 """
@@ -29,7 +29,7 @@ from heron.engine.memory import resolve_dtype
 from heron.kernels import _CFLAGS, load_cpu_kernels
 from heron.layers.linear import LinearBase
 from heron.model.loader import load_model
-from heron.quantization.base import dense_linear, onednn_packed
+from heron.quantization.base import batch_packed, dense_linear
 from heron.quantization.packed_int import IntShard, PackedInt, integer_kernel, pack, unpack
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     packed = [m.packed for m in layers]
     packed8 = [as_8bit(p) if p.bits == 4 else p for p in packed]
     dense = [p.dequantize(dtype) for p in packed]
-    onednn = [onednn_packed(w) for w in dense]
+    for_many_rows = [batch_packed(w) for w in dense]
     baseline = baseline_kernels(args.baseline) if args.baseline else None
 
     def integer(weights: list[PackedInt], xs: dict[int, torch.Tensor], kernels: ModuleType = kernels) -> None:
@@ -78,8 +78,8 @@ def main() -> None:
             kernels.int_linear(xs[p.k], p.qweight, p.scales, p.mins, p.bits, p.group, p.n, None)
 
     def dense_path(xs: dict[int, torch.Tensor]) -> None:
-        for w, o in zip(dense, onednn, strict=True):
-            dense_linear(xs[w.shape[1]], w, o, None)
+        for w, b in zip(dense, for_many_rows, strict=True):
+            dense_linear(xs[w.shape[1]], w, b, None)
 
     results = []
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -89,8 +89,9 @@ class UnquantizedLinearMethod(QuantizationMethod):
     """A dense ``weight`` [out, in] in the model dtype, multiplied with ``F.linear``.
 
     On a CPU with native bfloat16, a few rows go through heron's matrix-vector kernel (it reads the weight at
-    memory speed), and more rows through oneDNN with the weight packed once at load into oneDNN's blocked
-    layout (``F.linear`` would reorder it on every call): the plain weight stays for the former.
+    memory speed), and more rows through a copy packed once at load (``batch_packed``): heron's AMX matmul where
+    the CPU has the tiles, else oneDNN's blocked layout (``F.linear`` would reorder the weight on every call).
+    The plain weight stays for the former.
     """
 
     tensor_parallel = True
@@ -102,29 +103,36 @@ class UnquantizedLinearMethod(QuantizationMethod):
         layer.register_parameter("weight", linear_parameter(weight, output_dim=0, input_dim=1))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Pack a bfloat16 CPU weight for oneDNN (``layer.onednn_weight``) where ``onednn_packed`` allows."""
-        layer.onednn_weight = onednn_packed(layer.weight.detach())
+        """Pack a bfloat16 CPU weight for many rows (``layer.batch_weight``) where ``batch_packed`` allows."""
+        layer.batch_weight = batch_packed(layer.weight.detach())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias`` from ``layer.weight`` (and its oneDNN copy): ``dense_linear``."""
-        return dense_linear(x, layer.weight, getattr(layer, "onednn_weight", None), bias)
+        """``x W^T + bias`` from ``layer.weight`` (and its copy for many rows): ``dense_linear``."""
+        return dense_linear(x, layer.weight, getattr(layer, "batch_weight", None), bias)
+
+    def describe(self, layer: nn.Module) -> str | None:
+        """Where the layer's copy for many rows goes (None: it has none)."""
+        return describe_batch_weight(getattr(layer, "batch_weight", None))
 
     def stack_linear(self, layer: nn.Module, kernels: ModuleType):
         """``dense_stack_linear`` of the layer's weight."""
-        return dense_stack_linear(layer.weight, getattr(layer, "onednn_weight", None), layer.bias, kernels)
+        return dense_stack_linear(layer.weight, getattr(layer, "batch_weight", None), layer.bias, kernels)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Tensor | None,
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, batch_weight: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + bias`` for a dense W: heron's kernel for a few bfloat16 rows, W's oneDNN copy (if any) for more."""
+    """``x W^T + bias`` for a dense W: heron's kernel for a few bfloat16 rows, W's copy from ``batch_packed`` (if
+    any) for more."""
     if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
         kernels = kernels_for(x)
         if kernels is not None and has_native_bf16():
             # torch's one-row bf16 kernels read the weight at about half the memory speed here
             # (docs/performance.md): a small batch's decode step is mostly these products
             return kernels.gemv_bf16(x, weight, bias)
-    if onednn_weight is not None and x.dtype == torch.bfloat16:
-        return onednn_linear(x, onednn_weight, bias)
+    if batch_weight is not None and x.dtype == torch.bfloat16:
+        if batch_weight.is_mkldnn:
+            return onednn_linear(x, batch_weight, bias)
+        return kernels_for(x).tile_linear(x, batch_weight, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -133,10 +141,27 @@ def onednn_linear(x: torch.Tensor, onednn_weight: torch.Tensor, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn_weight, bias, "none", [], "")
 
 
-def dense_stack_linear(weight: torch.Tensor, onednn_weight: torch.Tensor | None, bias: torch.Tensor | None,
+def dense_stack_linear(weight: torch.Tensor, batch_weight: torch.Tensor | None, bias: torch.Tensor | None,
                        kernels: ModuleType):
     """``dense_linear`` as a ``kernels.StackLinear``."""
-    return kernels.StackLinear.dense(weight, onednn_weight, bias, has_native_bf16())
+    return kernels.StackLinear.dense(weight, batch_weight, bias, has_native_bf16())
+
+
+def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight's copy for more rows than the matrix-vector kernel takes: ``tile_packed`` where the CPU
+    has AMX tiles (heron's matmul: 1.2-1.5x oneDNN's at 8-512 rows here, docs/performance.md), else
+    ``onednn_packed``; None for other dtypes, or where neither applies."""
+    if weight.dtype != torch.bfloat16:
+        return None
+    tiles = tile_packed(weight)
+    return tiles if tiles is not None else onednn_packed(weight)
+
+
+def describe_batch_weight(batch_weight: torch.Tensor | None) -> str | None:
+    """The path of a dense layer's rows past the matrix-vector kernel, for the start log line."""
+    if batch_weight is None:
+        return None
+    return f"dense, above {GEMV_MAX_ROWS} rows {'oneDNN' if batch_weight.is_mkldnn else 'AMX tiles'}"
 
 
 def _squeezed(shape: torch.Size) -> list[int]:

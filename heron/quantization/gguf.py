@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
-from heron.quantization.base import dense_linear, dense_stack_linear, linear_parameter, onednn_packed
+from heron.quantization.base import batch_packed, dense_linear, dense_stack_linear, linear_parameter
 from heron.quantization.packed_int import IntShard, PackedIntLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class GGUFLinearMethod(PackedIntLinearMethod):
             dense = torch.cat([w.dequantize() for w in weights]).to(layer.params_dtype)
             layer.weight = linear_parameter(dense, output_dim=0)
             layer.packed = None
-            layer.onednn_weight = onednn_packed(dense)
+            layer.batch_weight = batch_packed(dense)
             layer.packed_types = []
         del layer.gguf_weights
 
@@ -200,11 +200,11 @@ class GGUFLinearMethod(PackedIntLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The integer kernel's product, or the dense one for a layer that could not be packed."""
         if layer.packed is None:
-            return dense_linear(x, layer.weight, layer.onednn_weight, bias)
+            return dense_linear(x, layer.weight, layer.batch_weight, bias)
         return super().apply(layer, x, bias)
 
     def stack_linear(self, layer: nn.Module, kernels: ModuleType):
         """The packed weight, or the dense one of a layer that could not be packed."""
         if layer.packed is None:
-            return dense_stack_linear(layer.weight, layer.onednn_weight, layer.bias, kernels)
+            return dense_stack_linear(layer.weight, layer.batch_weight, layer.bias, kernels)
         return super().stack_linear(layer, kernels)

@@ -16,9 +16,9 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def copy_bytes(model: nn.Module) -> int:
-    """Bytes of the linear layers' second copies for oneDNN (a dense weight's packed layout, an integer weight's
+    """Bytes of the linear layers' second copies (a dense weight's packed layout for many rows, an integer weight's
     bfloat16 copy for prompt chunks)."""
-    copies = (getattr(m, name, None) for m in model.modules() for name in ("onednn_weight", "prompt_weight"))
+    copies = (getattr(m, name, None) for m in model.modules() for name in ("batch_weight", "prompt_weight"))
     return sum(t.nbytes for t in copies if t is not None)
 
 

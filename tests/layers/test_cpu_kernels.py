@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,27 @@ def test_kernels_build_wherever_a_compiler_exists():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
     load_cpu_kernels()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("c++") is None, reason="x86 with a C++ compiler")
+@pytest.mark.parametrize("arch", [["-march=x86-64-v3"], ["-march=icelake-server", "-mavx512bf16"],
+                                  ["-march=sapphirerapids"]], ids=["avx2", "avx512-bf16-zen4", "amx"])
+def test_kernels_compile_for_every_x86_level(arch):
+    """The build is ``-march=native``: a source that compiles only with (or only without) AMX or AVX-512 breaks
+    the build on the other machines (Zen 4 has AVX-512 and its bfloat16 but no AMX; Sapphire Rapids has AMX;
+    AVX2-only hosts neither). Compile each source for each level, without code generation."""
+    from torch.utils.cpp_extension import include_paths
+
+    from heron.kernels import _CSRC, _SOURCES
+
+    includes = [f"-I{_CSRC}", f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in include_paths())]
+    compiles = {source.name: subprocess.Popen(
+        ["c++", "-fsyntax-only", "-std=c++20", "-fopenmp", *arch, "-DTORCH_EXTENSION_NAME=heron_cpu_kernels",
+         "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, str(source)], stderr=subprocess.PIPE, text=True)
+        for source in _SOURCES}
+    for name, compile_ in compiles.items():
+        errors = compile_.communicate(timeout=600)[1]
+        assert compile_.returncode == 0, f"{name} for {arch}:\n{errors[-3000:]}"
 
 
 @needs_kernels

@@ -66,8 +66,8 @@ def llama_dir(tmp_path_factory):
 def test_stack_gives_the_per_op_logits_and_tokens(llama_dir, kwargs):
     llm = make_llm(llama_dir, **kwargs)
     if kwargs.get("dtype") == "bfloat16" and has_native_bf16():
-        # the stack calls oneDNN on the weights' packed copies (an 8-token prompt is more rows than the gemv takes)
-        assert llm.engine.core.runner.model.layers[0].mlp.down_proj.onednn_weight is not None
+        # the stack calls the weights' packed copies (an 8-token prompt is more rows than the gemv takes)
+        assert llm.engine.core.runner.model.layers[0].mlp.down_proj.batch_weight is not None
     assert_stack_equals_per_op(llm)
 
 

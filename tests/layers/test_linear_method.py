@@ -180,27 +180,32 @@ def test_few_bfloat16_rows_take_the_matrix_vector_kernel_with_the_same_result(ro
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_weight_packed_for_onednn_gives_the_same_products(bias):
+@pytest.mark.parametrize("in_features", [100, 128], ids=["k100-onednn", "k128-tiles"])
+def test_bfloat16_weight_packed_for_many_rows_gives_the_same_products(bias, in_features):
     from heron.cpu import has_native_bf16
+    from heron.kernels import cpu_kernels
     from heron.layers.linear import Linear
 
     if not (has_native_bf16() and torch.backends.mkldnn.is_available()):
         pytest.skip("needs oneDNN and native bfloat16")
-    layer = Linear(100, 77, bias=bias)
+    layer = Linear(in_features, 77, bias=bias)
     torch.nn.init.normal_(layer.weight)
     if bias:
         torch.nn.init.normal_(layer.bias)
     layer = layer.to(torch.bfloat16)
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.onednn_weight.is_mkldnn
+    kernels = cpu_kernels()
+    # AMX tiles take inputs in multiples of 32 columns; oneDNN's blocked layout takes the rest
+    tiles = in_features % 32 == 0 and kernels is not None and kernels.tile_linear_available()
+    assert layer.batch_weight.is_mkldnn != tiles
     for rows in (5, 32, 130):
-        x = torch.randn(rows, 100, dtype=torch.bfloat16)
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
         expected = torch.nn.functional.linear(x.float(), layer.weight.float(),
                                               layer.bias.float() if bias else None)
         torch.testing.assert_close(layer(x).float(), expected, atol=0.1, rtol=0.02)
 
 
-def test_no_second_copy_for_onednn_when_it_would_leave_under_a_quarter_of_memory_free(monkeypatch):
+def test_no_second_copy_for_many_rows_when_it_would_leave_under_a_quarter_of_memory_free(monkeypatch):
     import heron.quantization.base as base
     from heron.layers.linear import Linear
 
@@ -209,6 +214,6 @@ def test_no_second_copy_for_onednn_when_it_would_leave_under_a_quarter_of_memory
     monkeypatch.setattr(base, "total_memory", lambda: 64 << 30)
     monkeypatch.setattr(base, "available_memory", lambda: 16 << 30)  # exactly a quarter free already
     layer.quant_method.process_weights_after_loading(layer)
-    assert getattr(layer, "onednn_weight", None) is None
+    assert getattr(layer, "batch_weight", None) is None
     x = torch.randn(9, 100, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))  # F.linear then

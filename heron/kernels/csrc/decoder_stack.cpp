@@ -22,6 +22,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
                               double scale, int64_t window, double k_scale, double v_scale);
 torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                          int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
+torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n);
 
 namespace {
 
@@ -39,11 +40,11 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // One linear layer as its quantization method computes it: a packed integer weight through int_linear
 // (heron/quantization/packed_int.py's ``linear``), or a dense weight as ``dense_linear`` does (heron's bfloat16
-// kernel for a few contiguous rows where ``gemv`` says the CPU has native bfloat16, then the weight's oneDNN
-// copy for bfloat16 rows where it has one, else at::linear).
+// kernel for a few contiguous rows where ``gemv`` says the CPU has native bfloat16, then the weight's copy for
+// many bfloat16 rows where it has one: AMX tiles (tile_linear) or oneDNN's blocked layout; else at::linear).
 struct StackLinear {
   torch::Tensor qweight, scales, mins, dense;
-  c10::optional<torch::Tensor> onednn;
+  c10::optional<torch::Tensor> batch;
   int64_t bits = 0, group = 0, n = 0;
   c10::optional<torch::Tensor> bias;
   bool gemv = false;
@@ -56,10 +57,10 @@ struct StackLinear {
     return linear;
   }
 
-  static StackLinear dense_weight(torch::Tensor weight, c10::optional<torch::Tensor> onednn,
+  static StackLinear dense_weight(torch::Tensor weight, c10::optional<torch::Tensor> batch,
                                   c10::optional<torch::Tensor> bias, bool gemv) {
     StackLinear linear;
-    linear.dense = weight, linear.onednn = onednn, linear.bias = bias, linear.gemv = gemv;
+    linear.dense = weight, linear.batch = batch, linear.bias = bias, linear.gemv = gemv;
     return linear;
   }
 
@@ -67,7 +68,10 @@ struct StackLinear {
     if (qweight.defined()) return int_linear(x.contiguous(), qweight, scales, mins, bits, group, n, bias);
     if (gemv && x.size(0) <= 4 && x.scalar_type() == at::kBFloat16 && x.is_contiguous())
       return gemv_bf16(x, dense, bias);
-    if (onednn.has_value() && x.scalar_type() == at::kBFloat16) return onednn_linear(x.contiguous(), *onednn, bias);
+    if (batch.has_value() && x.scalar_type() == at::kBFloat16) {
+      if (batch->is_mkldnn()) return onednn_linear(x.contiguous(), *batch, bias);
+      return tile_linear(x, *batch, bias, dense.size(0));
+    }
     return at::linear(x, dense, bias);
   }
 };
@@ -151,9 +155,9 @@ void bind_decoder_stack(pybind11::module& m) {
       .def_static("packed", &StackLinear::packed, "a packed integer weight (int_linear's arguments)",
                   py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("group"),
                   py::arg("n"), py::arg("bias"))
-      .def_static("dense", &StackLinear::dense_weight, "a dense weight [N, K] and its oneDNN copy, if any "
+      .def_static("dense", &StackLinear::dense_weight, "a dense weight [N, K] and its copy for many rows, if any "
                   "(dense_linear: gemv_bf16 for a few bfloat16 rows where gemv, the copy for more, else F.linear)",
-                  py::arg("weight"), py::arg("onednn"), py::arg("bias"), py::arg("gemv"));
+                  py::arg("weight"), py::arg("batch"), py::arg("bias"), py::arg("gemv"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecoderStack")
       .def(py::init([](torch::Tensor input_norm, double input_eps, torch::Tensor post_norm, double post_eps,
                        StackLinear qkv, StackLinear o_proj, StackLinear gate_up, StackLinear down, int64_t window) {

@@ -334,10 +334,11 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
 
 #endif
 
+constexpr int64_t kAmxRows = 16;  // activation rows per tile multiply (int_linear pads them to it where it tiles)
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HERON_AMX_INT8 1
 
-constexpr int64_t kAmxRows = 16;     // activation rows per tile multiply
 constexpr int64_t kAmxMinRows = 12;  // fewer rows: the VNNI loop (a tile multiply costs the same for 1 row as 16)
 constexpr int64_t kTileInts = kAmxRows * kRows;  // one int32 result tile
 
