@@ -43,10 +43,13 @@ def baseline_kernels(rev: str) -> ModuleType:
     """heron's ``int_linear`` as it was at git revision ``rev``, built beside today's (to compare in one run)."""
     root = Path(__file__).resolve().parents[1]
     build = Path(tempfile.mkdtemp(prefix="heron-int-linear-"))
-    for name in ("int_linear.cpp", "float_rows.h"):
-        source = subprocess.run(["git", "show", f"{rev}:heron/kernels/csrc/{name}"], cwd=root, check=True,
-                                capture_output=True, text=True).stdout
-        (build / name).write_text(source)
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout
+
+    headers = [Path(p).name for p in git("ls-tree", "--name-only", rev, "heron/kernels/csrc/").split()
+               if p.endswith(".h")]
+    for name in ["int_linear.cpp", *headers]:
+        (build / name).write_text(git("show", f"{rev}:heron/kernels/csrc/{name}"))
     with open(build / "int_linear.cpp", "a") as f:
         f.write('\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int_linear", &int_linear); }\n')
     return load(name="heron_int_linear_baseline", sources=[str(build / "int_linear.cpp")], build_directory=str(build),

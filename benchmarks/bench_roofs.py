@@ -1,14 +1,14 @@
 """This machine's roofs for a model: how fast it could decode if it were bound only by memory (one stream) or
 only by matrix arithmetic (a batch of 32), measured here, now, with the model's own weight shapes.
 
-    python -m benchmarks.bench_roofs [--model smollm2-135m-instruct --batch 32]
+    python -m benchmarks.bench_roofs [--model smollm2-135m-instruct --batch 32 --name roofs]
 
 - **Bandwidth roof (batch 1)**: a decode step must read every weight once. The read speed is the best of
   torch's ``sum`` over a buffer the size of the model's bfloat16 weights and heron's one-row kernel over the
   model's own matrices; roof tok/s = that speed / bytes per token.
 - **Compute roof (batch 32)**: the model's linear layers (with the LM head) at ``--batch`` rows through the
-  fastest bfloat16 matmul available (oneDNN with packed weights: AMX where the CPU has it); roof tok/s = rows /
-  time per pass. Attention, norms and sampling are left out, so no engine can reach it.
+  fastest bfloat16 matmul available (``F.linear``, oneDNN with packed weights, heron's AMX tile matmul where the
+  CPU has the tiles); roof tok/s = rows / time per pass. Attention, norms and sampling are left out, so no engine can reach it.
 
 docs/performance.md divides heron's measured throughput by these.
 """
@@ -25,6 +25,7 @@ from heron.config import EngineConfig
 from heron.cpu import has_native_bf16
 from heron.engine.engine import Engine
 from heron.kernels import cpu_kernels
+from heron.quantization.base import tile_packed
 
 
 def best_interleaved(fns: list, repeats: int = 5) -> list[float]:
@@ -76,6 +77,11 @@ def compute_roof(weights: list[torch.Tensor], batch: int) -> dict:
         packed = [(w, torch.ops.mkldnn._reorder_linear_weight(w, batch)) for w in bf16]
         paths["onednn_packed"] = [(w, lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
                                   for w, p in packed]
+    tiles = [(w, tile_packed(w)) for w in bf16]
+    if all(t is not None for _, t in tiles):
+        kernels = cpu_kernels()
+        paths["heron_tiles"] = [(w, lambda x, w=w, t=t: kernels.tile_linear(x, t, None, w.shape[0]))
+                                for w, t in tiles]
     result = {"batch": batch, "gflop_per_token": flops / batch / 1e9}
     for name, calls in paths.items():
         seconds = best_seconds(lambda calls=calls: [f(inputs[w.shape[1]]) for w, f in calls])
@@ -89,8 +95,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--name", default="roofs", help="the result file's name")
     args = ap.parse_args()
-    engine = Engine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=512))
+    # the dense weights, whatever the checkpoint's format (a GGUF would keep its blocks by default)
+    engine = Engine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=512, quantization="none"))
     weights = linear_weights(engine.core.runner.model)
     result = {"model": args.model, "threads": torch.get_num_threads(),
               "bandwidth": bandwidth_roof(weights), "compute": compute_roof(weights, args.batch)}
@@ -99,7 +107,7 @@ def main() -> None:
           f"-> {bw['roof_tok_s']:.0f} tok/s for one stream")
     print(f"compute roof:   {max(v for k, v in comp.items() if k.endswith('_GFLOPs')):.0f} GFLOP/s at "
           f"{args.batch} rows, {comp['gflop_per_token']:.3f} GFLOP per token -> {comp['roof_tok_s']:.0f} tok/s")
-    save("roofs", result)
+    save(args.name, result)
 
 
 if __name__ == "__main__":

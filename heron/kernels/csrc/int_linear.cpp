@@ -122,6 +122,16 @@ inline int32_t four_bytes(const int8_t* p) {
   return v;
 }
 
+// Bytes ahead of each tile's stream to prefetch: a layer's matrix is short (0.2-1 MB per thread), too short for
+// the hardware prefetcher to reach full speed (on Zen 3's AVX2 loop a model pass
+// 5-10% faster, the 8-bit LM head ~10%; on Zen 4's VNNI loop see docs/performance.md).
+constexpr int64_t kPrefetchBytes = 1024;
+
+// Starts fetching the cache line ``kPrefetchBytes`` ahead of ``p``.
+inline void prefetch_ahead(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
@@ -148,6 +158,7 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
         for (int64_t k = kb; k < kb + sub; k += 2 * kStep) {
           for (int t = 0; t < NT; ++t) {
             const uint8_t* wp = w + t * tile_bytes + (k / kStep) * 64;
+            prefetch_ahead(wp), prefetch_ahead(wp + 64);
             const __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + 64);
             for (int m = 0; m < MT; ++m) {
               even[t][m] = _mm512_dpbusd_epi32(even[t][m], v0, broadcast4(qx[m] + k));
@@ -158,7 +169,9 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
       } else {
         for (int64_t k = kb; k < kb + sub; k += kStep) {
           for (int t = 0; t < NT; ++t) {
-            const __m512i v = _mm512_loadu_si512(w + t * tile_bytes + (k / kStep) * 64);
+            const uint8_t* wp = w + t * tile_bytes + (k / kStep) * 64;
+            prefetch_ahead(wp);
+            const __m512i v = _mm512_loadu_si512(wp);
             const __m512i lo = _mm512_and_si512(v, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             for (int m = 0; m < MT; ++m) {
@@ -192,15 +205,6 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
-
-// Bytes ahead of each tile's stream to prefetch: a layer's matrix is short (0.2-1 MB per thread), too short for
-// the hardware prefetcher to reach full speed (a model pass 5-10% faster, the 8-bit LM head ~10%, on Zen 3).
-constexpr int64_t kPrefetchBytes = 1024;
-
-// Starts fetching the cache line ``kPrefetchBytes`` ahead of ``p``.
-inline void prefetch_ahead(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
-}
 
 // The same products with AVX2 (no VNNI), over column groups of 8 rows (half a tile, 32 bytes of each 64-byte
 // step): VPMADDUBSW (u8 x s8 pairs into int16) then VPMADDWD by ones (4 inputs of a row into its int32 lane), as
