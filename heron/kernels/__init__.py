@@ -2,7 +2,7 @@
 
 The extension (``csrc/*.cpp``) holds the paged-attention kernel, the fused small ops of a decoder layer
 (residual + RMSNorm, RoPE, SwiGLU, the KV-pool write), a bfloat16 one-row matmul, the integer-weight matmul, an
-AMX bfloat16 matmul whose rows do not depend on their batch, and the decoder stack that runs a model's layers from them in one call (heron/model/decoder_stack.py). It is compiled for this
+bfloat16 matmul whose rows do not depend on their batch (AMX tiles or AVX-512 BF16), and the decoder stack that runs a model's layers from them in one call (heron/model/decoder_stack.py). It is compiled for this
 CPU (``-march=native``) and cached under heron's cache directory, keyed by the sources, torch's version and the
 CPU's flags. Where it cannot be built (no compiler) ``cpu_kernels()`` is None after one warning and the layers
 use their PyTorch form; ``HERON_CPU_KERNELS=0`` forces that form (to compare against it).

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heron.cpu import available_memory, has_native_bf16, total_memory
-from heron.kernels import kernels_for
+from heron.kernels import cpu_kernels, kernels_for
 
 GEMV_MAX_ROWS = 4  # the rows heron's bfloat16 matrix-vector kernel takes (it reads W once for all of them)
 ONEDNN_PACK_ROWS = 32  # the batch size oneDNN picks its packed weight layout for (a hint; any size works)
@@ -89,8 +89,8 @@ class UnquantizedLinearMethod(QuantizationMethod):
     """A dense ``weight`` [out, in] in the model dtype, multiplied with ``F.linear``.
 
     On a CPU with native bfloat16, a few rows go through heron's matrix-vector kernel (it reads the weight at
-    memory speed), and more rows through a copy packed once at load (``batch_packed``): heron's AMX matmul where
-    the CPU has the tiles, else oneDNN's blocked layout (``F.linear`` would reorder the weight on every call).
+    memory speed), and more rows through a copy packed once at load (``batch_packed``): heron's bfloat16 matmul
+    where it runs (AMX or AVX-512 BF16), else oneDNN's blocked layout (``F.linear`` would reorder the weight on every call).
     The plain weight stays for the former.
     """
 
@@ -132,7 +132,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, batch_weight: torch.Tens
     if batch_weight is not None and x.dtype == torch.bfloat16:
         if batch_weight.is_mkldnn:
             return onednn_linear(x, batch_weight, bias)
-        return kernels_for(x).tile_linear(x, batch_weight, bias, weight.shape[0])
+        if (kernels := kernels_for(x)) is not None:  # None: the kernels turned off since load (HERON_CPU_KERNELS=0)
+            return kernels.tile_linear(x, batch_weight, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -148,9 +149,9 @@ def dense_stack_linear(weight: torch.Tensor, batch_weight: torch.Tensor | None, 
 
 
 def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 weight's copy for more rows than the matrix-vector kernel takes: ``tile_packed`` where the CPU
-    has AMX tiles (heron's matmul: 1.2-1.5x oneDNN's at 8-512 rows here, docs/performance.md), else
-    ``onednn_packed``; None for other dtypes, or where neither applies."""
+    """A bfloat16 weight's copy for more rows than the matrix-vector kernel takes: ``tile_packed`` where heron's
+    matmul runs (AMX tiles: 1.3-1.5x oneDNN's at 5-64 rows on Sapphire Rapids; AVX-512 BF16: 1.0-1.2x on Zen 4;
+    docs/performance.md), else ``onednn_packed``; None for other dtypes, or where neither applies."""
     if weight.dtype != torch.bfloat16:
         return None
     tiles = tile_packed(weight)
@@ -161,7 +162,12 @@ def describe_batch_weight(batch_weight: torch.Tensor | None) -> str | None:
     """The path of a dense layer's rows past the matrix-vector kernel, for the start log line."""
     if batch_weight is None:
         return None
-    return f"dense, above {GEMV_MAX_ROWS} rows {'oneDNN' if batch_weight.is_mkldnn else 'AMX tiles'}"
+    return f"dense, above {GEMV_MAX_ROWS} rows {'oneDNN' if batch_weight.is_mkldnn else tile_kernel()}"
+
+
+def tile_kernel() -> str:
+    """How ``kernels.tile_linear`` multiplies here, for the start log line."""
+    return "AMX tiles" if cpu_kernels().tile_linear_amx() else "AVX-512 BF16"
 
 
 def _squeezed(shape: torch.Size) -> list[int]:
@@ -184,9 +190,9 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def tile_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [out, in] in the layout of heron's AMX bfloat16 matmul (``kernels.tile_linear``: [out/16,
-    in/32, 16 input pairs, 16 outputs x 2], out padded to 32 with zeros), where the CPU has the tiles, ``in`` is
-    a multiple of 32 and the copy fits (``copy_fits``); else None."""
+    """``weight`` [out, in] in the layout of heron's bfloat16 matmul (``kernels.tile_linear``: [out/16, in/32, 16
+    input pairs, 16 outputs x 2], out padded to 32 with zeros), where it runs (AMX tiles or AVX-512 BF16), ``in``
+    is a multiple of 32 and the copy fits (``copy_fits``); else None."""
     kernels = kernels_for(weight)
     n, k = weight.shape
     if kernels is None or not kernels.tile_linear_available() or k % 32 or not copy_fits(weight):

@@ -195,7 +195,7 @@ def test_bfloat16_weight_packed_for_many_rows_gives_the_same_products(bias, in_f
     layer = layer.to(torch.bfloat16)
     layer.quant_method.process_weights_after_loading(layer)
     kernels = cpu_kernels()
-    # AMX tiles take inputs in multiples of 32 columns; oneDNN's blocked layout takes the rest
+    # heron's bfloat16 matmul takes inputs in multiples of 32 columns; oneDNN's blocked layout takes the rest
     tiles = in_features % 32 == 0 and kernels is not None and kernels.tile_linear_available()
     assert layer.batch_weight.is_mkldnn != tiles
     for rows in (5, 32, 130):

@@ -1,9 +1,13 @@
 """Integer-weight layers with a bfloat16 copy for prompt tokens (heron/quantization/packed_int.py): prompt rows
-go through heron's AMX bfloat16 matmul on the copy (kernels.tile_linear), every other row through the integer
+go through heron's bfloat16 matmul on the copy (kernels.tile_linear), every other row through the integer
 kernel exactly as without it, so a row's result in these layers never depends on its batch, its prompt's chunks
 or prefix-cache hits."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ from heron.quantization.base import tile_packed
 from heron.quantization.packed_int import IntShard, linear, pack, prompt_weight_of
 
 needs_tiles = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().tile_linear_available(),
-                                 reason="needs heron's CPU kernels on a CPU with AMX bfloat16 tiles")
+                                 reason="needs heron's CPU kernels on a CPU with AMX or AVX-512 BF16")
 
 
 def test_step_rows_name_the_prompt_rows_of_each_sequence():
@@ -63,10 +67,10 @@ def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_
             torch.testing.assert_close(linear(x[part], packed, bias, copy), out[part], atol=0, rtol=0)
 
 
-def test_the_copy_is_kept_only_for_bfloat16_with_amx_tiles_and_memory(monkeypatch):
+def test_the_copy_is_kept_only_for_bfloat16_with_a_bfloat16_matmul_and_memory(monkeypatch):
     packed = random_packed()
     tiles = cpu_kernels() is not None and cpu_kernels().tile_linear_available()
-    # no AMX: the integer kernel is the faster at any size
+    # no bfloat16 matmul of heron's (no AMX, no AVX-512 BF16): the integer kernel is the faster at any size
     assert (prompt_weight_of(packed, torch.bfloat16) is not None) == tiles
     assert prompt_weight_of(packed, torch.float32) is None
     monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "0")
@@ -89,6 +93,19 @@ def test_tile_linear_is_the_product_and_each_rows_bits_do_not_depend_on_its_batc
     for rows in (slice(0, 1), slice(7, 40), slice(250, 600), slice(3, 600, 2)):
         torch.testing.assert_close(kernels.tile_linear(x[rows], copy, bias, n), out[rows], atol=0, rtol=0)
     assert torch.equal(kernels.tile_linear(x[:0], copy, None, n), out[:0])
+
+
+@needs_tiles
+def test_the_vector_path_passes_the_same_checks_where_amx_is_turned_off():
+    """An AMX machine runs tile_linear's AVX-512 BF16 loop (Zen 4's path) with HERON_AMX=0: the test above in a
+    process of its own (the kernels read the variable once)."""
+    if not cpu_kernels().tile_linear_amx():
+        pytest.skip("this CPU runs the vector loop in the test above")
+    test = f"{__file__}::test_tile_linear_is_the_product_and_each_rows_bits_do_not_depend_on_its_batch"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                         env={**os.environ, "HERON_AMX": "0"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "4 passed" in run.stdout
 
 
 @needs_tiles

@@ -292,6 +292,7 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 int64_t int_linear_amx_rows();
 torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n);
 bool tile_linear_available();
+bool tile_linear_amx();
 
 void bind_decoder_stack(pybind11::module& m);
 
@@ -302,9 +303,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bfloat16 y = x W^T for a few rows, at memory speed");
   m.def("int_linear", &int_linear, "y = x W^T for a packed 4/8-bit W, int8 activations (AVX-512 VNNI, AMX)");
   m.def("int_linear_amx_rows", &int_linear_amx_rows, "rows from which int_linear multiplies in AMX tiles (0: never)");
-  m.def("tile_linear", &tile_linear, "bfloat16 y = x W^T on AMX tiles, each row's bits the same in any batch",
+  m.def("tile_linear", &tile_linear,
+        "bfloat16 y = x W^T on AMX tiles (or AVX-512 BF16 vectors), each row's bits the same in any batch",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("n"));
-  m.def("tile_linear_available", &tile_linear_available, "whether tile_linear runs here (AMX bfloat16)");
+  m.def("tile_linear_available", &tile_linear_available,
+        "whether tile_linear runs here (AMX bfloat16 or AVX-512 BF16)");
+  m.def("tile_linear_amx", &tile_linear_amx, "whether tile_linear multiplies on AMX tiles here");
   m.def("store_kv", &store_kv, "write keys and values into their paged-pool slots (quantized into a float8 pool)",
         py::arg("k"), py::arg("v"), py::arg("kv_cache"), py::arg("slots"), py::arg("k_scale") = 1.0,
         py::arg("v_scale") = 1.0);

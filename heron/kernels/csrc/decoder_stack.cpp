@@ -41,7 +41,7 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer as its quantization method computes it: a packed integer weight through int_linear
 // (heron/quantization/packed_int.py's ``linear``), or a dense weight as ``dense_linear`` does (heron's bfloat16
 // kernel for a few contiguous rows where ``gemv`` says the CPU has native bfloat16, then the weight's copy for
-// many bfloat16 rows where it has one: AMX tiles (tile_linear) or oneDNN's blocked layout; else at::linear).
+// many bfloat16 rows where it has one: tile_linear's layout (AMX or AVX-512 BF16) or oneDNN's; else at::linear).
 struct StackLinear {
   torch::Tensor qweight, scales, mins, dense;
   c10::optional<torch::Tensor> batch;
