@@ -5,11 +5,12 @@ never gathers a context into a new tensor. A row's arithmetic depends on its pos
 the same bit for bit whatever else the step holds and however its prompt was chunked or found in the prefix
 cache (with packed integer weights, whose activations are rounded to int8, a last-bit difference can grow into
 another token). In float32 every query goes through it: on an AVX2 CPU it measured faster than gather + SDPA
-at every chunk shape tried, up to 2,048 queries over 2,048 positions (docs/performance.md). In half precision
-the sequences with few queries this step (decodes, speculative verification: at most ``MAX_KERNEL_QUERIES``)
-go through it and long prefill chunks take the reference path (gather + SDPA, whose bfloat16 GEMMs use AMX
-tiles where the CPU has them), one SDPA call per chunk so that a chunk's result does not depend on the shapes of
-the others in its step. The kernel is part of heron's CPU extension (heron/kernels), built at first use;
+at every chunk shape tried, up to 2,048 queries over 2,048 positions (docs/performance.md), and so it does in half
+precision on a CPU without AMX (Zen 4: prefill 1.3-1.9x that of SDPA). Where the CPU has AMX, the sequences with
+few queries this step (decodes, speculative verification: at most ``MAX_KERNEL_QUERIES``) go through it and long
+prefill chunks take the reference path (gather + SDPA, whose bfloat16 GEMMs run on AMX tiles: 1.1-1.7x the
+kernel there), one SDPA call per chunk so that a chunk's result does not depend on the shapes of the others in
+its step. The kernel is part of heron's CPU extension (heron/kernels), built at first use;
 without a compiler the engine falls back to the reference backend with one warning. A float8 pool is written
 and read by the kernels too: the queries and the output keep the model's dtype, and the layer's key scale is
 folded into the queries, its value scale into the output.
@@ -21,9 +22,16 @@ import torch
 
 from heron.attention.backend import AttentionMetadata
 from heron.attention.reference import ReferenceBackend, _Group
+from heron.cpu import cpu_flags
 from heron.kernels import load_cpu_kernels
 
 MAX_KERNEL_QUERIES = 16
+
+
+def kernel_takes_every_query(dtype: torch.dtype) -> bool:
+    """Whether every query of a step goes through the kernel in ``dtype`` (see the module docstring): in float32,
+    and in half precision where the CPU has no AMX tiles for SDPA's GEMMs."""
+    return dtype == torch.float32 or "amx_bf16" not in cpu_flags()
 
 
 class CpuPagedBackend(ReferenceBackend):
@@ -38,7 +46,7 @@ class CpuPagedBackend(ReferenceBackend):
         few = [q <= MAX_KERNEL_QUERIES for q in meta.query_lens]
         starts = meta.query_start_loc.cpu().to(torch.int32)
         begin, end = starts[:-1].clone(), starts[1:].clone()
-        meta.backend_data["kernel"] = (begin, end)  # float32: every query
+        meta.backend_data["kernel"] = (begin, end)  # every query (kernel_takes_every_query)
         meta.backend_data["kernel_few"] = (begin, torch.where(torch.tensor(few), end, begin))
         meta.backend_data["long"] = [b for b, f in enumerate(few) if not f]
 
@@ -49,14 +57,14 @@ class CpuPagedBackend(ReferenceBackend):
         data = meta.backend_data
         if "kernel" not in data:
             return None
-        if dtype == torch.float32:
+        if kernel_takes_every_query(dtype):
             return data["kernel"]
         return None if data["long"] else data["kernel_few"]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         self.store_kv(kv_cache, k, v, meta.slot_mapping)
-        every_query = q.dtype == torch.float32
+        every_query = kernel_takes_every_query(q.dtype)
         begin, end = meta.backend_data["kernel" if every_query else "kernel_few"]
         out = self.kernel.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, begin, end,
                                           q.shape[-1] ** -0.5, sliding_window or 0, self.kv_scales.k,
