@@ -6,8 +6,8 @@ linear layers (every layer of the model, so the weights come from memory as in a
 For each row count: the model's GGUF blocks through heron's int8-dot kernel (Q4_1 layers, Q8_0 LM head), the
 same weights requantized to 8 bits, and the dense weights in heron's default dtype for this CPU (bfloat16 where
 it is native, else float32; ``--dtype``) through the path heron takes for them (bfloat16: its one-row kernel up
-to 4 rows, above its AMX tile matmul where the CPU has the tiles, else oneDNN's packed GEMM): where the integer kernel gains (memory-bound small batches) and where
-it loses to the dense GEMM (e.g. AMX bfloat16 tiles against AVX-512 VNNI int8 dots). Results go to
+to 4 rows, above its tile matmul where it runs (AMX or AVX-512 BF16), else oneDNN's packed GEMM): where the
+integer kernel gains (memory-bound small batches) and where it loses to the dense GEMM (e.g. AMX bfloat16 tiles against AVX-512 VNNI int8 dots). Results go to
 ``benchmarks/results/int_linear_<kernel ISA>.json`` (or ``--name``).
 """
 

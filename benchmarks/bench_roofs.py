@@ -7,8 +7,9 @@ only by matrix arithmetic (a batch of 32), measured here, now, with the model's 
   torch's ``sum`` over a buffer the size of the model's bfloat16 weights and heron's one-row kernel over the
   model's own matrices; roof tok/s = that speed / bytes per token.
 - **Compute roof (batch 32)**: the model's linear layers (with the LM head) at ``--batch`` rows through the
-  fastest bfloat16 matmul available (``F.linear``, oneDNN with packed weights, heron's AMX tile matmul where the
-  CPU has the tiles); roof tok/s = rows / time per pass. Attention, norms and sampling are left out, so no engine can reach it.
+  fastest bfloat16 matmul available (``F.linear``, oneDNN with packed weights, heron's tile matmul where it runs:
+  AMX or AVX-512 BF16); roof tok/s = rows / time per pass. Attention, norms and sampling are left out, so no
+  engine can reach it.
 
 docs/performance.md divides heron's measured throughput by these.
 """

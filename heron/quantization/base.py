@@ -90,8 +90,8 @@ class UnquantizedLinearMethod(QuantizationMethod):
 
     On a CPU with native bfloat16, a few rows go through heron's matrix-vector kernel (it reads the weight at
     memory speed), and more rows through a copy packed once at load (``batch_packed``): heron's bfloat16 matmul
-    where it runs (AMX or AVX-512 BF16), else oneDNN's blocked layout (``F.linear`` would reorder the weight on every call).
-    The plain weight stays for the former.
+    where it runs (AMX or AVX-512 BF16), else oneDNN's blocked layout (``F.linear`` would reorder the weight on
+    every call). The plain weight stays for the former.
     """
 
     tensor_parallel = True

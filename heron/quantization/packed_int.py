@@ -17,9 +17,8 @@ dequantized to bfloat16 in the tile layout of heron's bfloat16 matmul (``prompt_
 for a step's prompt rows (heron/layers/prompt_rows.py): bfloat16 tiles multiply many rows several times faster
 than the integer kernel, whose int8 tiles pay a float step per 32 inputs (AVX-512 BF16 vectors 1.3x faster than
 its VNNI loop from ~32 rows on Zen 4), and which wins at a few rows (it reads a quarter of the bytes): generated
-tokens keep it. Each of tile_linear's outputs is one float32 sum in a fixed
-order, so a row's result is the same whatever its batch, chunking or prefix-cache hits (tested), with all of a
-step's prompt rows in one call (oneDNN's GEMM, whose blocking and so a row's last bits follow the number of
+tokens keep it. Each of tile_linear's outputs is one float32 sum in a fixed order, so a row's result is the
+same whatever its batch, chunking or prefix-cache hits (tested), with all of a step's prompt rows in one call (oneDNN's GEMM, whose blocking and so a row's last bits follow the number of
 rows, needed calls of a fixed size, the last one padded: 2.5x slower at 512 rows). The copy costs the memory
 of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and every row takes
 the integer kernel.
