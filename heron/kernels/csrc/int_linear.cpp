@@ -136,63 +136,73 @@ inline void prefetch_ahead(const uint8_t* p) {
 
 inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
 
-// out[t][m][16] = the 16 rows of NT consecutive tiles times MT activation rows: int8 dot products into
-// 2 * NT * MT independent int32 accumulators (enough chains to hide VPDPBUSD's latency), scaled in float32.
-template <int BITS, int MT, int NT, typename S>
-void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
-              const QuantizedActivations& a, int64_t m0, float* out) {
+// One block of ``SUB`` inputs (a scale's span: 16 or 32) of NT tiles x MT activation rows: int8 dot products into
+// int32 accumulators (the 64-byte steps unrolled), then scaled into the float32 sums ``acc``. One or two rows keep
+// two chains per (tile, row), even and odd steps, to hide VPDPBUSD's latency; from three rows there are chains
+// enough and one each leaves registers for more rows. Integer sums are exact: the split does not change a bit.
+template <int BITS, int MT, int NT, int64_t SUB, typename S>
+inline void block_dot(const uint8_t* const* wp, const S* const* ws_p, const ActivationRows<MT>& rows, int64_t kb,
+                      __m512 (&acc)[NT][MT]) {
+  constexpr int kChains = MT <= 2 ? 2 : 1;
   constexpr int64_t kStep = BITS == 8 ? 4 : 8;  // inputs per 64-byte step
-  const int64_t sub = std::min(G, kActBlock), groups = Kp / G;
-  const ActivationRows<MT> rows(a, m0, Kp, G);
-  const auto &qx = rows.q, &xs = rows.scale, &gs = rows.group_sum;
-  __m512 acc[NT][MT];
-  for (int m = 0; m < MT; ++m)
-    for (int t = 0; t < NT; ++t) acc[t][m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t kb = g * G; kb < (g + 1) * G; kb += sub) {
-      __m512i even[NT][MT], odd[NT][MT];
-      for (int t = 0; t < NT; ++t)
-        for (int m = 0; m < MT; ++m) even[t][m] = odd[t][m] = _mm512_setzero_si512();
-      if constexpr (BITS == 8) {
-        for (int64_t k = kb; k < kb + sub; k += 2 * kStep) {
-          for (int t = 0; t < NT; ++t) {
-            const uint8_t* wp = w + t * tile_bytes + (k / kStep) * 64;
-            prefetch_ahead(wp), prefetch_ahead(wp + 64);
-            const __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + 64);
-            for (int m = 0; m < MT; ++m) {
-              even[t][m] = _mm512_dpbusd_epi32(even[t][m], v0, broadcast4(qx[m] + k));
-              odd[t][m] = _mm512_dpbusd_epi32(odd[t][m], v1, broadcast4(qx[m] + k + 4));
-            }
-          }
-        }
-      } else {
-        for (int64_t k = kb; k < kb + sub; k += kStep) {
-          for (int t = 0; t < NT; ++t) {
-            const uint8_t* wp = w + t * tile_bytes + (k / kStep) * 64;
-            prefetch_ahead(wp);
-            const __m512i v = _mm512_loadu_si512(wp);
-            const __m512i lo = _mm512_and_si512(v, low4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            for (int m = 0; m < MT; ++m) {
-              even[t][m] = _mm512_dpbusd_epi32(even[t][m], lo, broadcast4(qx[m] + k));
-              odd[t][m] = _mm512_dpbusd_epi32(odd[t][m], hi, broadcast4(qx[m] + k + 4));
-            }
-          }
-        }
+  __m512i dot[kChains][NT][MT];
+  for (int c = 0; c < kChains; ++c)
+    for (int t = 0; t < NT; ++t)
+      for (int m = 0; m < MT; ++m) dot[c][t][m] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < SUB / kStep; ++s) {
+    const int64_t k = kb + s * kStep;
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* w = wp[t] + s * 64;
+      prefetch_ahead(w);
+      const __m512i v = _mm512_loadu_si512(w);
+      // 8-bit: the step's 4 inputs per row; 4-bit: inputs 0-3 in the low nibbles, 4-7 in the high ones
+      const __m512i first = BITS == 8 ? v : _mm512_and_si512(v, low4);
+      for (int m = 0; m < MT; ++m) {
+        __m512i& d = dot[BITS == 8 ? s % kChains : 0][t][m];
+        d = _mm512_dpbusd_epi32(d, first, broadcast4(rows.q[m] + k));
       }
-      for (int t = 0; t < NT; ++t) {
-        const __m512 ws = load16(scales + (t * groups + g) * kRows);
+      if constexpr (BITS == 4) {
+        const __m512i second = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         for (int m = 0; m < MT; ++m) {
-          const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(xs[m][kb / kActBlock]));
-          const __m512i dot = _mm512_add_epi32(even[t][m], odd[t][m]);
-          acc[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[t][m]);
+          __m512i& d = dot[kChains - 1][t][m];
+          d = _mm512_dpbusd_epi32(d, second, broadcast4(rows.q[m] + k + 4));
         }
       }
     }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const __m512 ws = load16(ws_p[t]);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(rows.scale[m][kb / kActBlock]));
+      const __m512i sum = kChains == 2 ? _mm512_add_epi32(dot[0][t][m], dot[kChains - 1][t][m]) : dot[0][t][m];
+      acc[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[t][m]);
+    }
+  }
+}
+
+// out[t][m][16] = the 16 rows of NT consecutive tiles times MT activation rows, block by block, each group's min
+// term added at its end.
+template <int BITS, int MT, int NT, typename S>
+void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
+              const QuantizedActivations& a, int64_t m0, float* out) {
+  constexpr int64_t kStep = BITS == 8 ? 4 : 8;
+  const int64_t sub = std::min(G, kActBlock), groups = Kp / G;
+  const ActivationRows<MT> rows(a, m0, Kp, G);
+  __m512 acc[NT][MT];
+  for (int t = 0; t < NT; ++t)
+    for (int m = 0; m < MT; ++m) acc[t][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t kb = g * G; kb < (g + 1) * G; kb += sub) {
+      const uint8_t* wp[NT];
+      const S* ws_p[NT];
+      for (int t = 0; t < NT; ++t) wp[t] = w + t * tile_bytes + kb / kStep * 64, ws_p[t] = scales + (t * groups + g) * kRows;
+      if (sub == 16) block_dot<BITS, MT, NT, 16, S>(wp, ws_p, rows, kb, acc);
+      else block_dot<BITS, MT, NT, kActBlock, S>(wp, ws_p, rows, kb, acc);
+    }
     for (int t = 0; t < NT; ++t) {
       const __m512 ms = load16(mins + (t * groups + g) * kRows);
-      for (int m = 0; m < MT; ++m) acc[t][m] = _mm512_fmadd_ps(ms, _mm512_set1_ps(gs[m][g]), acc[t][m]);
+      for (int m = 0; m < MT; ++m) acc[t][m] = _mm512_fmadd_ps(ms, _mm512_set1_ps(rows.group_sum[m][g]), acc[t][m]);
     }
   }
   for (int t = 0; t < NT; ++t)
