@@ -12,16 +12,17 @@ holds input j in its low nibble and input j+4 in its high nibble. Scales and min
 padded to 16 and K to the kernel's block (rows and inputs of zeros that add nothing). ``dequantize`` is the
 reference the kernel is tested against.
 
-Where the CPU has AMX or AVX-512 BF16 and the model computes in bfloat16, a layer also keeps its weight
-dequantized to bfloat16 in the tile layout of heron's bfloat16 matmul (``prompt_weight``, ``kernels.tile_linear``)
-for a step's prompt rows (heron/layers/prompt_rows.py): bfloat16 tiles multiply many rows several times faster
-than the integer kernel, whose int8 tiles pay a float step per 32 inputs (AVX-512 BF16 vectors 1.3x faster than
-its VNNI loop from ~32 rows on Zen 4), and which wins at a few rows (it reads a quarter of the bytes): generated
-tokens keep it. Each of tile_linear's outputs is one float32 sum in a fixed order, so a row's result is the
-same whatever its batch, chunking or prefix-cache hits (tested), with all of a step's prompt rows in one call (oneDNN's GEMM, whose blocking and so a row's last bits follow the number of
-rows, needed calls of a fixed size, the last one padded: 2.5x slower at 512 rows). The copy costs the memory
-of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and every row takes
-the integer kernel.
+Where the CPU has AMX and the model computes in bfloat16, a layer also keeps its weight dequantized to bfloat16
+in the tile layout of heron's bfloat16 matmul (``prompt_weight``, ``kernels.tile_linear``) for a step's prompt
+rows (heron/layers/prompt_rows.py): AMX's bfloat16 tiles multiply many rows several times faster than the integer
+kernel, which wins at a few rows (it reads a quarter of the bytes): generated tokens keep it. Without AMX the
+integer kernel's VNNI loop is the faster at every row count (Zen 4: 1.1x tile_linear's AVX-512 BF16 vectors at 32
+to 512 rows), so there is no copy unless ``HERON_PROMPT_WEIGHTS=1`` asks for one. Each of tile_linear's outputs is
+one float32 sum in a fixed order, so a row's result is the same whatever its batch, chunking or prefix-cache hits
+(tested), with all of a step's prompt rows in one call (oneDNN's GEMM, whose blocking and so a row's last bits
+follow the number of rows, needed calls of a fixed size, the last one padded: 2.5x slower at 512 rows). The copy
+costs the memory of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and
+every row takes the integer kernel.
 """
 
 from __future__ import annotations
@@ -191,9 +192,13 @@ def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None,
 
 def prompt_weight_of(packed: PackedInt, dtype: torch.dtype) -> torch.Tensor | None:
     """``packed`` dequantized to bfloat16 in ``tile_linear``'s layout, for prompt rows (see the module
-    docstring), where the model computes in bfloat16 and ``tile_packed`` has the tiles and the memory; else
-    None."""
-    if dtype != torch.bfloat16 or os.environ.get("HERON_PROMPT_WEIGHTS") == "0":
+    docstring), where the model computes in bfloat16, ``tile_packed`` has the tiles and the memory, and they are
+    AMX's (or ``HERON_PROMPT_WEIGHTS=1``); else None."""
+    setting = os.environ.get("HERON_PROMPT_WEIGHTS")
+    kernels = cpu_kernels()
+    if dtype != torch.bfloat16 or setting == "0" or kernels is None:
+        return None
+    if setting != "1" and not kernels.tile_linear_amx():
         return None
     return tile_packed(packed.dequantize(torch.bfloat16))
 

@@ -67,12 +67,15 @@ def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_
             torch.testing.assert_close(linear(x[part], packed, bias, copy), out[part], atol=0, rtol=0)
 
 
-def test_the_copy_is_kept_only_for_bfloat16_with_a_bfloat16_matmul_and_memory(monkeypatch):
+def test_the_copy_is_kept_only_for_bfloat16_with_amx_tiles_and_memory(monkeypatch):
     packed = random_packed()
     tiles = cpu_kernels() is not None and cpu_kernels().tile_linear_available()
-    # no bfloat16 matmul of heron's (no AMX, no AVX-512 BF16): the integer kernel is the faster at any size
-    assert (prompt_weight_of(packed, torch.bfloat16) is not None) == tiles
+    amx = tiles and cpu_kernels().tile_linear_amx()
+    # without AMX (AVX-512 BF16 vectors, or no bfloat16 matmul of heron's) the integer kernel is the faster
+    assert (prompt_weight_of(packed, torch.bfloat16) is not None) == amx
     assert prompt_weight_of(packed, torch.float32) is None
+    monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "1")  # asked for: wherever tile_linear runs
+    assert (prompt_weight_of(packed, torch.bfloat16) is not None) == tiles
     monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "0")
     assert prompt_weight_of(packed, torch.bfloat16) is None
     monkeypatch.delenv("HERON_PROMPT_WEIGHTS")
@@ -112,6 +115,7 @@ def test_the_vector_path_passes_the_same_checks_where_amx_is_turned_off():
 @pytest.mark.parametrize("weights", ["int4", "gguf-q4_1"])
 def test_a_model_with_prompt_copies_batches_like_one_at_a_time_and_stays_close_to_the_kernel(
         tiny_model_dir, tmp_path, monkeypatch, weights):
+    monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "1")  # the copy on CPUs without AMX too
     if weights == "int4":
         model, quantization = tiny_model_dir(), "int4"
     else:
