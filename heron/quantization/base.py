@@ -91,7 +91,8 @@ class UnquantizedLinearMethod(QuantizationMethod):
     On a CPU with native bfloat16, a few rows go through heron's matrix-vector kernel (it reads the weight at
     memory speed), and more rows through a copy packed once at load (``batch_packed``): heron's bfloat16 matmul
     where it runs (AMX or AVX-512 BF16), else oneDNN's blocked layout (``F.linear`` would reorder the weight on
-    every call). The plain weight stays for the former.
+    every call). The plain weight stays for the former. Where the matmul runs on AVX-512 BF16 vectors every row
+    takes the copy (``copy_takes_every_row``).
     """
 
     tensor_parallel = True
@@ -122,7 +123,9 @@ class UnquantizedLinearMethod(QuantizationMethod):
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, batch_weight: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + bias`` for a dense W: heron's kernel for a few bfloat16 rows, W's copy from ``batch_packed`` (if
-    any) for more."""
+    any) for more, or for every row where ``copy_takes_every_row``."""
+    if x.dtype == torch.bfloat16 and copy_takes_every_row(batch_weight, kernels_for(x)):
+        return kernels_for(x).tile_linear(x, batch_weight, bias, weight.shape[0])
     if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
         kernels = kernels_for(x)
         if kernels is not None and has_native_bf16():
@@ -137,6 +140,17 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, batch_weight: torch.Tens
     return F.linear(x, weight, bias)
 
 
+def copy_takes_every_row(batch_weight: torch.Tensor | None, kernels: ModuleType | None) -> bool:
+    """Whether a dense layer sends every bfloat16 row, one or many, to its ``tile_packed`` copy: where tile_linear
+    runs on AVX-512 BF16 vectors (no AMX). Each output is there one float32 sum over the inputs in order, whatever
+    the rows, so a row's bits do not depend on its batch (the matrix-vector kernel sums in another order: a row
+    through it and the same row among 5+ rows, or in a 5-token verification, differed in rare last bits), and
+    it reads the copy as fast as the matrix-vector kernel reads the weight (Zen 4, the model's layers: 1 row 4.3
+    against 5.3 ms, 4 rows 5.5 against 5.2). With AMX, a few rows still take the matrix-vector kernel."""
+    return (batch_weight is not None and not batch_weight.is_mkldnn and kernels is not None
+            and not kernels.tile_linear_amx())
+
+
 def onednn_linear(x: torch.Tensor, onednn_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + bias`` for bfloat16 rows and W's copy from ``onednn_packed``."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), onednn_weight, bias, "none", [], "")
@@ -145,7 +159,8 @@ def onednn_linear(x: torch.Tensor, onednn_weight: torch.Tensor, bias: torch.Tens
 def dense_stack_linear(weight: torch.Tensor, batch_weight: torch.Tensor | None, bias: torch.Tensor | None,
                        kernels: ModuleType):
     """``dense_linear`` as a ``kernels.StackLinear``."""
-    return kernels.StackLinear.dense(weight, batch_weight, bias, has_native_bf16())
+    return kernels.StackLinear.dense(weight, batch_weight, bias,
+                                     has_native_bf16() and not copy_takes_every_row(batch_weight, kernels))
 
 
 def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:

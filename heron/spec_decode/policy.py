@@ -23,16 +23,21 @@ _MIN_GAIN = 1.1
 
 
 class StepTimes:
-    """Seconds a step takes by its size: moving averages in power-of-two buckets, interpolated between them."""
+    """Seconds a step takes by its size: moving averages in power-of-two buckets, interpolated between them.
+    With ``warmup``, each bucket's first measurement is dropped (a first call pays for allocations and caches)."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: bool = False) -> None:
         self._points: dict[int, tuple[float, float]] = {}  # bucket -> (mean size, mean seconds)
+        self._warm: set[int] | None = set() if warmup else None  # buckets past their first measurement
 
     def observe(self, size: int, seconds: float) -> None:
         """Record a step of ``size`` (tokens, or sequences) that took ``seconds``."""
         if size <= 0:
             return
         bucket = int(math.log2(size))
+        if self._warm is not None and bucket not in self._warm:
+            self._warm.add(bucket)
+            return
         old = self._points.get(bucket)
         new = (float(size), seconds) if old is None else (
             old[0] + _EMA * (size - old[0]), old[1] + _EMA * (seconds - old[1]))
@@ -65,7 +70,10 @@ class SpeculationPolicy:
         self.disable_by_batch_size = disable_by_batch_size
         self.min_acceptance_rate = min_acceptance_rate
         self.step_times = StepTimes()  # by tokens in the step
-        self.draft_times = StepTimes()  # one draft forward, by sequences drafting
+        # one draft forward, by sequences drafting; unknown until a second measurement (counted as free: the
+        # policy drafts and so measures), as a draft model's first call, several target steps long, would
+        # otherwise switch speculation off for good (it is only measured while drafting)
+        self.draft_times = StepTimes(warmup=True)
         self.reached = [0] * max_tokens  # drafts verified at position i
         self.accepted = [0] * max_tokens  # and accepted there
 
@@ -83,8 +91,15 @@ class SpeculationPolicy:
             self.accepted[i] += i < num_accepted
 
     def acceptance_rates(self) -> list[float]:
-        """Each draft position's acceptance rate given that the drafts before it held (a uniform prior)."""
-        return [(a + 1) / (r + 2) for a, r in zip(self.accepted, self.reached, strict=True)]
+        """Each draft position's acceptance rate given that the drafts before it held: the first with a uniform
+        prior, each later one with the rate before it as its prior (weight 2), so a position not yet reached is
+        expected to do as the one before it (a uniform prior there kept a well-agreeing draft at the depths it
+        had tried first)."""
+        rates, prior = [], 0.5
+        for a, r in zip(self.accepted, self.reached, strict=True):
+            prior = (a + 2 * prior) / (r + 2)
+            rates.append(prior)
+        return rates
 
     def choose(self, num_decoding: int, other_tokens: int) -> int:
         """Draft tokens per sequence for the next step of ``num_decoding`` decodes and ``other_tokens`` more."""

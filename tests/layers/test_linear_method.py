@@ -217,3 +217,28 @@ def test_no_second_copy_for_many_rows_when_it_would_leave_under_a_quarter_of_mem
     assert getattr(layer, "batch_weight", None) is None
     x = torch.randn(9, 100, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))  # F.linear then
+
+
+def test_without_amx_every_bfloat16_row_of_a_dense_layer_gets_the_same_bits_in_any_batch():
+    """Where tile_linear runs on AVX-512 BF16 vectors, one row, a few rows (a decode batch, a 5-token
+    verification) and many rows all take the tile copy, so a row's result never depends on its batch."""
+    from heron.kernels import cpu_kernels
+    from heron.layers.linear import Linear
+    from heron.quantization.base import copy_takes_every_row
+
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.tile_linear_available() or kernels.tile_linear_amx():
+        pytest.skip("needs tile_linear's AVX-512 BF16 loop (with AMX a few rows take the matrix-vector kernel)")
+    for in_features, out_features in [(576, 3072), (1536, 576), (128, 77)]:
+        layer = Linear(in_features, out_features, bias=True)
+        torch.nn.init.normal_(layer.weight)
+        torch.nn.init.normal_(layer.bias)
+        layer = layer.to(torch.bfloat16)
+        layer.quant_method.process_weights_after_loading(layer)
+        assert copy_takes_every_row(layer.batch_weight, kernels)
+        x = torch.randn(40, in_features, dtype=torch.bfloat16)
+        together = layer(x)
+        for size in (1, 2, 3, 4, 5, 13):  # the matrix-vector kernel's sizes, and the copy's
+            for start in range(0, 40 - size + 1, size):
+                rows = slice(start, start + size)
+                assert torch.equal(layer(x[rows]), together[rows]), (in_features, rows)

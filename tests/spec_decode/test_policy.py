@@ -51,6 +51,8 @@ def test_turns_off_under_load_on_a_memory_then_compute_bound_machine():
 def test_drafting_cost_counts():
     policy = policy_with(lambda n: 0.010, rate=0.5)
     assert policy.choose(1, 0) > 0
+    policy.observe_drafting(1, 1, 0.500)  # a first draft call: a warm-up, not counted
+    assert policy.choose(1, 0) > 0
     policy.observe_drafting(1, 1, 0.050)  # a draft forward costs five target steps
     assert policy.choose(1, 0) == 0
 
@@ -64,8 +66,19 @@ def test_acceptance_rates_are_conditional_on_reaching_the_position():
     policy = SpeculationPolicy(3)
     for _ in range(98):
         policy.observe_verification(3, 0)  # rejected at the first draft: later positions were never tested
-    assert policy.acceptance_rates()[0] == 1 / 100
-    assert policy.acceptance_rates()[1:] == [0.5, 0.5]  # the prior alone
+    assert policy.acceptance_rates() == [1 / 100] * 3  # later positions: the prior, the rate before them
+
+
+def test_a_position_not_yet_reached_is_expected_to_do_as_the_one_before_it():
+    policy = SpeculationPolicy(6)
+    for _ in range(98):
+        policy.observe_verification(2, 2)  # two drafts a step so far, both always accepted
+    rates = policy.acceptance_rates()
+    assert rates[0] == 99 / 100 and rates[1] > 0.99
+    assert rates[2:] == [rates[1]] * 4
+    policy.observe_step(1, 0.010)
+    policy.observe_step(16, 0.010)
+    assert policy.choose(1, 0) == 6  # so the policy tries the deeper positions
 
 
 def test_a_request_with_low_acceptance_stops_drafting():

@@ -256,3 +256,30 @@ def test_a_failing_proposer_costs_speed_not_requests(target_dir, draft_dir, monk
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert len(calls) >= 3 and llm.engine.stats().num_drafts > 0
     assert_no_leaks(llm)
+
+
+def vector_tiles() -> bool:
+    from heron.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.tile_linear_available() and not kernels.tile_linear_amx()
+
+
+@pytest.mark.skipif(not vector_tiles(), reason="needs tile_linear's AVX-512 BF16 loop (dense bfloat16 rows take "
+                                               "it one or many; with AMX a few take the matrix-vector kernel)")
+@pytest.mark.parametrize("name", ["draft_model", "self_draft"])
+def test_bfloat16_greedy_output_equals_plain_decoding_with_six_row_verifications(target_dir, draft_dir, name):
+    """A bfloat16 target verifies 5 drafts + 1 per sequence: each row of those steps must get the bits that the
+    plain engine's one-row decode steps give it."""
+    prompts = mixed_prompts()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = {**BASE, "dtype": "bfloat16"}
+    plain = generate(LLM(str(target_dir), **base), prompts, params)
+    spec = {**SPECS[name], **FORCED, "num_speculative_tokens": 5}
+    if name == "draft_model":
+        spec["model"] = str(draft_dir)
+    llm = LLM(str(target_dir), speculative_config=spec, **base)
+    out = generate(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.stats().num_accepted_tokens > 0
+    assert_no_leaks(llm)
