@@ -124,18 +124,18 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, batch_weight: torch.Tens
                  bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + bias`` for a dense W: heron's kernel for a few bfloat16 rows, W's copy from ``batch_packed`` (if
     any) for more, or for every row where ``copy_takes_every_row``."""
-    if x.dtype == torch.bfloat16 and copy_takes_every_row(batch_weight, kernels_for(x)):
-        return kernels_for(x).tile_linear(x, batch_weight, bias, weight.shape[0])
-    if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous():
-        kernels = kernels_for(x)
-        if kernels is not None and has_native_bf16():
-            # torch's one-row bf16 kernels read the weight at about half the memory speed here
-            # (docs/performance.md): a small batch's decode step is mostly these products
-            return kernels.gemv_bf16(x, weight, bias)
+    # None: float32 rows, another device, or the kernels turned off since load (HERON_CPU_KERNELS=0)
+    kernels = kernels_for(x) if x.dtype == torch.bfloat16 else None
+    if copy_takes_every_row(batch_weight, kernels):
+        return kernels.tile_linear(x, batch_weight, bias, weight.shape[0])
+    if kernels is not None and x.shape[0] <= GEMV_MAX_ROWS and x.is_contiguous() and has_native_bf16():
+        # torch's one-row bf16 kernels read the weight at about half the memory speed here
+        # (docs/performance.md): a small batch's decode step is mostly these products
+        return kernels.gemv_bf16(x, weight, bias)
     if batch_weight is not None and x.dtype == torch.bfloat16:
         if batch_weight.is_mkldnn:
             return onednn_linear(x, batch_weight, bias)
-        if (kernels := kernels_for(x)) is not None:  # None: the kernels turned off since load (HERON_CPU_KERNELS=0)
+        if kernels is not None:
             return kernels.tile_linear(x, batch_weight, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 
