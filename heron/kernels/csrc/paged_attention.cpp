@@ -9,7 +9,9 @@
 // of a sequence's n sits at position seq_len - n + i and attends positions <= its own (causal among the new
 // tokens too), from pos - window + 1 on under a sliding window.
 // A tile's scores are a small matrix product, vectorized over the rows of a row-vector (a key's element broadcast
-// against 4, 8 or 16 queries: no horizontal sums, eight keys' sums in registers).
+// against 4, 8 or 16 queries: no horizontal sums, eight keys' sums in registers). With bfloat16 queries and pool
+// on AVX-512 BF16 a key's elements are broadcast in pairs straight from the pool into VDPBF16PS (pair_scores):
+// half the instructions, no conversion of the keys (decode of 32 sequences x 192 positions: 1.27x on Zen 4).
 //
 // Batch invariance: a row's output is the same, bit for bit, whatever else the step holds (one query of a decode,
 // one of a verification step's, beside other sequences) and whatever the thread count, which speculative
@@ -30,6 +32,11 @@
 #include <ATen/Parallel.h>
 
 #include "float_rows.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define HERON_BF16_PAIRS 1
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -76,6 +83,7 @@ struct Item {  // what one thread takes at a time: a unit's chunks [chunk0, chun
 // state over the current chunk; merged_*: over the chunks so far).
 struct Scratch {
   std::vector<float> keys, values, qf, qt, acc, max, denom, scores, row, merged_max, merged_denom, merged_acc;
+  std::vector<uint32_t> qp;  // bfloat16 pairs: the rows' queries, [vectors][D / 2][kLanes] (pair_scores)
   std::vector<int32_t> pos, first;
 };
 
@@ -151,6 +159,81 @@ inline void tile_scores(const float* __restrict qt, const float* __restrict keys
     store_lanes<W>(s + (r + 7) * kLanes, a7);
   }
 }
+
+#if defined(HERON_BF16_PAIRS)
+// tile_scores of a bfloat16 pool and bfloat16 queries, on AVX-512 BF16: each lane (a row) sums its query's
+// bfloat16 pairs times a key's, read in the pool with no conversion, one VDPBF16PS per pair (the products are
+// exact in float32), in order over the head dim; the sum is then scaled. Every lane computes the same thing at
+// every width W (4, 8 or 16 lanes in one register), so a row's score does not depend on its row-vector either.
+// qp: the rows' queries as pairs, transposed ([D / 2][kLanes]); key_rows: the tile's kTile key rows.
+template <int64_t W>
+struct PairLanes;
+template <>
+struct PairLanes<4> {
+  using F = __m128;
+  static F zero() { return _mm_setzero_ps(); }
+  static F dot(F acc, const uint32_t* q, const uint16_t* k) {
+    return _mm_dpbf16_ps(acc, (__m128bh)_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)),
+                         (__m128bh)_mm_set1_epi32(*reinterpret_cast<const int32_t*>(k)));
+  }
+  static void store(float* s, F acc, float scale) { _mm_storeu_ps(s, _mm_mul_ps(acc, _mm_set1_ps(scale))); }
+};
+template <>
+struct PairLanes<8> {
+  using F = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F dot(F acc, const uint32_t* q, const uint16_t* k) {
+    return _mm256_dpbf16_ps(acc, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                            (__m256bh)_mm256_set1_epi32(*reinterpret_cast<const int32_t*>(k)));
+  }
+  static void store(float* s, F acc, float scale) {
+    _mm256_storeu_ps(s, _mm256_mul_ps(acc, _mm256_set1_ps(scale)));
+  }
+};
+template <>
+struct PairLanes<16> {
+  using F = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F dot(F acc, const uint32_t* q, const uint16_t* k) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q),
+                            (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(k)));
+  }
+  static void store(float* s, F acc, float scale) {
+    _mm512_storeu_ps(s, _mm512_mul_ps(acc, _mm512_set1_ps(scale)));
+  }
+};
+
+template <int64_t DC, int64_t W>
+inline void pair_scores(const uint32_t* __restrict qp, const uint16_t* const* key_rows, float* __restrict s,
+                        float scale, int64_t head_dim) {
+  using P = PairLanes<W>;
+  const int64_t pairs = (DC > 0 ? DC : head_dim) / 2;
+  for (int64_t r = 0; r < kTile; r += 8) {
+    typename P::F a0 = P::zero(), a1 = P::zero(), a2 = P::zero(), a3 = P::zero(), a4 = P::zero(),
+                  a5 = P::zero(), a6 = P::zero(), a7 = P::zero();
+    const uint16_t* const* k = key_rows + r;
+    for (int64_t d = 0; d < pairs; ++d) {
+      const uint32_t* q = qp + d * kLanes;
+      a0 = P::dot(a0, q, k[0] + 2 * d);
+      a1 = P::dot(a1, q, k[1] + 2 * d);
+      a2 = P::dot(a2, q, k[2] + 2 * d);
+      a3 = P::dot(a3, q, k[3] + 2 * d);
+      a4 = P::dot(a4, q, k[4] + 2 * d);
+      a5 = P::dot(a5, q, k[5] + 2 * d);
+      a6 = P::dot(a6, q, k[6] + 2 * d);
+      a7 = P::dot(a7, q, k[7] + 2 * d);
+    }
+    P::store(s + r * kLanes, a0, scale);
+    P::store(s + (r + 1) * kLanes, a1, scale);
+    P::store(s + (r + 2) * kLanes, a2, scale);
+    P::store(s + (r + 3) * kLanes, a3, scale);
+    P::store(s + (r + 4) * kLanes, a4, scale);
+    P::store(s + (r + 5) * kLanes, a5, scale);
+    P::store(s + (r + 6) * kLanes, a6, scale);
+    P::store(s + (r + 7) * kLanes, a7, scale);
+  }
+}
+#endif
 
 // A row's accumulator: acc = acc * correction + sum over keys [r0, r1) of the tile, in order, of
 // p[r * p_stride] * value_r (values: kTile rows of D, value_stride apart). One form for every row (it depends on
@@ -273,6 +356,12 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
   const int64_t BS = block_size;
   // a float32 pool whose blocks hold whole tiles is read where it lies, not copied into float32 scratch first
   const bool in_place = std::is_same_v<C, float> && BS % kTile == 0;
+  // bfloat16 queries and pool on AVX-512 BF16: scores from bfloat16 pairs (pair_scores), keys read in the pool
+#if defined(HERON_BF16_PAIRS)
+  constexpr bool pairs = DC > 0 && std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>;
+#else
+  constexpr bool pairs = false;
+#endif
 
   // The units, their cost (rows x positions), and how many items each is spread over.
   std::vector<Unit> units;
@@ -334,7 +423,11 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
     const int64_t vectors = (rows + kLanes - 1) / kLanes, padded = vectors * kLanes;
     const bool whole = unit.parts == 1;
     s.qf.resize(rows * D);
-    s.qt.assign(vectors * D * kLanes, 0.0f);
+    if constexpr (pairs) {
+      s.qp.assign(vectors * D / 2 * kLanes, 0u);
+    } else {
+      s.qt.assign(vectors * D * kLanes, 0.0f);
+    }
     s.acc.resize(rows * D);
     s.max.resize(padded);
     s.denom.resize(padded);
@@ -354,12 +447,21 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
     const int32_t* table = block_table + unit.b * table_width;
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t i = unit.q0 + row / group, g = row % group;
-      float* qr = s.qf.data() + row * D;
-      load_row(q + i * q_stride + (unit.kvh * group + g) * D, qr, D);
+      const T* qrow = q + i * q_stride + (unit.kvh * group + g) * D;
+      if constexpr (pairs) {  // unscaled: pair_scores scales the sums
+        const uint16_t* bits = reinterpret_cast<const uint16_t*>(qrow);
+        uint32_t* qp = s.qp.data() + (row / kLanes) * (D / 2) * kLanes + row % kLanes;
+        for (int64_t d = 0; d < D / 2; ++d) {
+          qp[d * kLanes] = static_cast<uint32_t>(bits[2 * d]) | (static_cast<uint32_t>(bits[2 * d + 1]) << 16);
+        }
+      } else {
+        float* qr = s.qf.data() + row * D;
+        load_row(qrow, qr, D);
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
-      float* qt = s.qt.data() + (row / kLanes) * D * kLanes + row % kLanes;
-      for (int64_t d = 0; d < D; ++d) qt[d * kLanes] = qr[d];
+        for (int64_t d = 0; d < D; ++d) qr[d] *= scale;
+        float* qt = s.qt.data() + (row / kLanes) * D * kLanes + row % kLanes;
+        for (int64_t d = 0; d < D; ++d) qt[d * kLanes] = qr[d];
+      }
       const int64_t pos = unit.seq_len - unit.num_q + (i - query_begin[unit.b]);
       s.pos[row] = static_cast<int32_t>(pos);
       s.first[row] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
@@ -375,7 +477,18 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
         const float* keys = s.keys.data();
         const float* values = s.values.data();
         int64_t row_stride = D;
-        if (in_place) {  // read in the pool: the tile lies in one block; positions no row attends are masked
+        const uint16_t* key_rows[kTile];  // pairs: the tile's keys in the pool
+        if constexpr (pairs) {
+          // positions outside the unit's [lo, hi) are attended by no row (masked): they read a row that exists
+          const int64_t a = std::max(lo, j0), z = std::min(hi, j0 + kTile);
+          for (int64_t r = 0; r < kTile; ++r) {
+            const int64_t j = std::min(std::max(j0 + r, a), z - 1), offset = j % BS;
+            const C* src = cache + static_cast<int64_t>(table[j / BS]) * block_stride + offset * slot_stride +
+                           unit.kvh * D;
+            key_rows[r] = reinterpret_cast<const uint16_t*>(src);
+            if (j == j0 + r) load_row(src + value_offset, s.values.data() + r * D, D);
+          }
+        } else if (in_place) {  // read in the pool: the tile lies in one block; positions no row attends are masked
           keys = reinterpret_cast<const float*>(cache) + static_cast<int64_t>(table[j0 / BS]) * block_stride +
                  (j0 % BS) * slot_stride + unit.kvh * D;
           values = keys + value_offset;
@@ -410,13 +523,19 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
           const int32_t* first = s.first.data() + row0;
           // rows are in position order: skip a vector none of whose rows reach into the tile
           if (pos[nrows - 1] < j0 || first[0] > jlast) continue;
-          const float* qt = s.qt.data() + v * D * kLanes;
+          const float* qt = pairs ? nullptr : s.qt.data() + v * D * kLanes;
           // every row of the vector attends every position of the tile: nothing to mask
           const bool full = pos[0] >= jlast && first[nrows - 1] <= j0;
           float correction[kLanes];
           const auto score = [&](auto width) {
             constexpr int64_t W = decltype(width)::value;
-            tile_scores<DC, W>(qt, keys, row_stride, sc, D);
+            if constexpr (pairs) {
+#if defined(HERON_BF16_PAIRS)
+              pair_scores<DC, W>(s.qp.data() + v * (D / 2) * kLanes, key_rows, sc, scale, D);
+#endif
+            } else {
+              tile_scores<DC, W>(qt, keys, row_stride, sc, D);
+            }
             if (!full) mask_tile<W>(sc, pos, first, static_cast<int32_t>(j0));
             softmax_step<W>(sc, s.max.data() + row0, s.denom.data() + row0, correction);
           };
