@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from heron.kernels import kernels_for
+
 _MIN_CANDIDATES = 64
 _GROWTH = 8  # candidates grow 64 -> 512 -> 4096 -> ... -> a full sort, for the rows not settled yet
 
@@ -62,8 +64,12 @@ def _keep_counts(vals: torch.Tensor, logits: torch.Tensor, k: torch.Tensor,
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first on ties). ``max(dim)`` returns the same index as ``argmax`` and runs
-    3x faster on the CPU (0.4 vs 1.2 ms for 32 rows of 49,152 logits)."""
+    """Each row's argmax (the first on ties, a NaN above every number): heron's CPU kernel for float32 rows
+    (Zen 4, 49,152 logits: 32 rows 0.14 ms against torch's 0.41, one row 11 against 28-38 us), else
+    ``max(dim)``, which returns the same index."""
+    kernels = kernels_for(logits)
+    if kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+        return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 

@@ -183,3 +183,26 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
     logits[0, 5] = logits[0, 9] = 0.0
     assert torch.equal(greedy(logits), logits.argmax(dim=-1))
     assert greedy(logits)[1:].eq(300).all() and greedy(logits)[0] == 5
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 1000, 49_152])
+def test_the_cpu_argmax_kernel_gives_torch_max_indices_for_ties_nans_infinities_and_strided_rows(vocab):
+    from heron.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler: greedy takes torch.max")
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab + 5, generator=g)[:, 2:vocab + 2]  # rows strided past their length
+    last = vocab - 1
+    logits[1, :] = float("-inf")  # no number at all: the first index
+    logits[2, last] = float("inf")
+    logits[3, last // 2] = logits[3, last] = 1e9  # a tie: the first
+    logits[4, last] = float("nan")
+    logits[5, last // 3] = logits[5, last] = float("nan")  # NaN above everything, the first NaN
+    logits[6, :] = 7.0
+    logits[7, 0] = float("nan")
+    logits[8, :] = float("nan")
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(kernels.argmax_rows(logits), expected)
+    assert torch.equal(kernels.argmax_rows(logits[:0]), expected[:0])

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -284,6 +285,49 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::T
   });
 }
 
+// Each row's argmax, the first on ties, a NaN counting above every number (as torch.max(dim) returns them):
+// one vectorized pass for the row's maximum (and whether it has a NaN), one that stops at its first index.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "float32 rows [M, V] with contiguous columns");
+  const int64_t rows = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(V > 0, "rows of at least one logit");
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * stride;
+      // 64 lanes of running maxima (four registers' worth of independent chains), then the tail
+      constexpr int64_t L = 64;
+      float lanes[L];
+      int32_t nans[L];
+      for (int64_t l = 0; l < L; ++l) lanes[l] = -std::numeric_limits<float>::infinity(), nans[l] = 0;
+      int64_t i = 0;
+      for (; i + L <= V; i += L) {
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) {
+          const float v = row[i + l];
+          lanes[l] = lanes[l] > v ? lanes[l] : v;
+          nans[l] |= v != v;
+        }
+      }
+      float best = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (int64_t l = 0; l < L; ++l) best = std::max(best, lanes[l]), nan |= nans[l] != 0;
+      for (; i < V; ++i) best = std::max(best, row[i]), nan |= row[i] != row[i];
+      int64_t at = 0;
+      if (nan) {
+        while (row[at] == row[at]) ++at;
+      } else {
+        while (row[at] != best) ++at;
+      }
+      index[r] = at;
+    }
+  });
+  return out;
+}
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                               torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
                               double scale, int64_t window, double k_scale, double v_scale);
@@ -298,6 +342,7 @@ void bind_decoder_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, fused with the residual add when given one");
+  m.def("argmax_rows", &argmax_rows, "each float32 row's argmax (the first on ties; NaN above all)");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place on q and k");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused gate/up projection");
   m.def("gemv_bf16", &gemv_bf16, "bfloat16 y = x W^T for a few rows, at memory speed");
