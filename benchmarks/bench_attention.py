@@ -1,7 +1,7 @@
 """heron's CPU paged-attention kernel on the default model's attention shape (9 query heads, 3 KV heads, head
 dim 64, blocks of 16), one layer's call, for the steps a server makes:
 
-    python -m benchmarks.bench_attention [--dtype auto --threads 1,2 --name attention]
+    python -m benchmarks.bench_attention [--dtype auto --kv-cache-dtype auto --threads 1,2 --name attention]
 
 decode of 1 and of 32 sequences, a verification step (5 queries over a context), prefill chunks over a cached
 prefix. Blocks are scattered over a pool larger than the caches, as a server's are. The best of a few timed
@@ -31,11 +31,13 @@ STEPS = {
 }
 
 
-def attention_call(kernels, sequences: int, context: int, queries: int, dtype: torch.dtype):
-    """One layer's kernel call over ``sequences`` caches of ``context`` positions in scattered blocks."""
+def attention_call(kernels, sequences: int, context: int, queries: int, dtype: torch.dtype,
+                   pool_dtype: torch.dtype):
+    """One layer's kernel call over ``sequences`` caches of ``context`` positions in scattered blocks (a pool
+    of ``pool_dtype``: ``dtype``, or float8)."""
     g = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
-    pool = torch.randn(2, 2 * sequences * per_seq, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    pool = torch.randn(2, 2 * sequences * per_seq, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(pool_dtype)
     blocks = torch.randperm(pool.shape[1], generator=g)[: sequences * per_seq]
     table = blocks.view(sequences, per_seq).to(torch.int32)
     q = torch.randn(sequences * queries, HEADS, HEAD_DIM, generator=g).to(dtype)
@@ -47,17 +49,21 @@ def attention_call(kernels, sequences: int, context: int, queries: int, dtype: t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto", help="queries and pool (auto: heron's default here)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="the pool's dtype (auto: the queries')")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--name", default="attention", help="the result file's name")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    pool_dtype = dtype if args.kv_cache_dtype == "auto" else (
+        torch.float8_e5m2 if args.kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for name, (sequences, context, queries) in STEPS.items():
-            call = attention_call(kernels, sequences, context, queries, dtype)
+            call = attention_call(kernels, sequences, context, queries, dtype, pool_dtype)
             calls = max(1, 20_000 // (sequences * context * queries) ** 0.5 // 1)
 
             def timed(call=call, calls=int(calls)) -> None:
@@ -67,7 +73,7 @@ def main() -> None:
             us = best_seconds(timed, args.repeats) / calls * 1e6
             results.append({"step": name, "threads": threads, "us_per_call": us})
             print(f"{threads} threads  {name:48s} {us:9.1f} us", flush=True)
-    save(args.name, {"dtype": str(dtype), "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+    save(args.name, {"dtype": str(dtype), "kv_cache_dtype": str(pool_dtype), "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                      "block_size": BLOCK, "results": results})
 
 

@@ -88,7 +88,8 @@ def test_the_kernels_store_writes_the_bytes_of_the_pytorch_form(dtype, activatio
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("dim", [8, 5, 12], ids=["vector", "tail", "both"])  # eight codes at a time, then one
+# sixteen codes at a time (AVX-512), then eight, then one
+@pytest.mark.parametrize("dim", [8, 5, 12, 29], ids=["vector", "tail", "both", "wide"])
 def test_the_kernel_reads_every_float8_code_as_torch_does(dtype, dim):
     """One position per sequence: attention returns its value row, i.e. the pool's codes as the kernel reads
     them (NaN codes included)."""
@@ -100,6 +101,30 @@ def test_the_kernel_reads_every_float8_code_as_torch_does(dtype, dim):
     out = cpu_kernels().paged_attention(torch.zeros(num_seqs, KV_HEADS, dim), pool, rows.view(-1, 1),
                                         torch.ones_like(rows), rows, rows + 1, 1.0, 0)
     torch.testing.assert_close(out, pool[1].flatten(1, 2).float(), atol=0, rtol=0, equal_nan=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", FP8)
+def test_bfloat16_queries_score_every_finite_float8_key_code_at_head_dim_64(dtype):
+    """With bfloat16 queries and head dim 64 the kernel scores from bfloat16 pairs, a float8 tile's keys converted
+    to bfloat16 first. Sequence c has two positions, key 0 all code c with value 1, key 1 zero with value 0, so
+    its output is sigmoid(score): every code's score, near +-2 where it is sensitive, equals torch's reading."""
+    dim = 64
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[torch.isfinite(codes.view(dtype).float())]
+    keys = codes.view(dtype).double()
+    # one bfloat16 query element per sequence, so that code c scores about +-2 (code 0 scores 0)
+    q = torch.where(keys == 0, 1.0, 2.0 / (keys.abs().clamp(min=1e-30) * dim)).to(torch.bfloat16)
+    n = len(codes)
+    pool = torch.zeros(2, n, 2, 1, dim, dtype=dtype)
+    pool[0].view(torch.uint8)[:, 0] = codes.view(n, 1, 1)
+    pool[1][:, 0] = 1.0
+    rows = torch.arange(n, dtype=torch.int32)
+    out = cpu_kernels().paged_attention(q.view(n, 1, 1).expand(n, 1, dim).contiguous(), pool, rows.view(-1, 1),
+                                        torch.full_like(rows, 2), rows, rows + 1, 1.0, 0)
+    scores = keys * q.double() * dim
+    expected = torch.sigmoid(scores).view(n, 1, 1).expand(n, 1, dim)
+    torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), atol=0, rtol=8e-3)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", pytest.param("cpu_paged", marks=needs_kernels)])

@@ -11,7 +11,8 @@
 // A tile's scores are a small matrix product, vectorized over the rows of a row-vector (a key's element broadcast
 // against 4, 8 or 16 queries: no horizontal sums, eight keys' sums in registers). With bfloat16 queries and pool
 // on AVX-512 BF16 a key's elements are broadcast in pairs straight from the pool into VDPBF16PS (pair_scores):
-// half the instructions, no conversion of the keys (decode of 32 sequences x 192 positions: 1.27x on Zen 4).
+// half the instructions, no conversion of the keys (decode of 32 sequences x 192 positions: 1.27x on Zen 4); a
+// float8 pool's keys are converted to bfloat16 (exactly) a tile at a time and take the same path.
 //
 // Batch invariance: a row's output is the same, bit for bit, whatever else the step holds (one query of a decode,
 // one of a verification step's, beside other sequences) and whatever the thread count, which speculative
@@ -84,6 +85,7 @@ struct Item {  // what one thread takes at a time: a unit's chunks [chunk0, chun
 struct Scratch {
   std::vector<float> keys, values, qf, qt, acc, max, denom, scores, row, merged_max, merged_denom, merged_acc;
   std::vector<uint32_t> qp;  // bfloat16 pairs: the rows' queries, [vectors][D / 2][kLanes] (pair_scores)
+  std::vector<uint16_t> key_bits;  // a float8 tile's keys in bfloat16, [kTile][D] (pair_scores)
   std::vector<int32_t> pos, first;
 };
 
@@ -233,6 +235,14 @@ inline void pair_scores(const uint32_t* __restrict qp, const uint16_t* const* ke
     P::store(s + (r + 7) * kLanes, a7, scale);
   }
 }
+
+// A float8 row in bfloat16 (exact), sixteen codes at a time (D: a multiple of 16).
+template <typename F8>
+inline void load_bf16_row(const F8* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(to_f32x16(src + i)));
+  }
+}
 #endif
 
 // A row's accumulator: acc = acc * correction + sum over keys [r0, r1) of the tile, in order, of
@@ -356,9 +366,12 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
   const int64_t BS = block_size;
   // a float32 pool whose blocks hold whole tiles is read where it lies, not copied into float32 scratch first
   const bool in_place = std::is_same_v<C, float> && BS % kTile == 0;
-  // bfloat16 queries and pool on AVX-512 BF16: scores from bfloat16 pairs (pair_scores), keys read in the pool
+  // bfloat16 queries on AVX-512 BF16: scores from bfloat16 pairs (pair_scores), keys read in a bfloat16 pool, or
+  // a float8 pool's converted to bfloat16 (exactly: every float8 value is a bfloat16 one)
 #if defined(HERON_BF16_PAIRS)
-  constexpr bool pairs = DC > 0 && std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>;
+  constexpr bool pool_fp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
+  constexpr bool pairs =
+      DC > 0 && std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || pool_fp8);
 #else
   constexpr bool pairs = false;
 #endif
@@ -439,6 +452,7 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
       s.merged_acc.assign(rows * D, 0.0f);
     }
     if (s.keys.size() < static_cast<size_t>(kTile * D)) {
+      s.key_bits.assign(kTile * D, 0);
       s.keys.assign(kTile * D, 0.0f);
       s.values.assign(kTile * D, 0.0f);
       s.scores.assign(kTile * kLanes, 0.0f);
@@ -485,7 +499,15 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
             const int64_t j = std::min(std::max(j0 + r, a), z - 1), offset = j % BS;
             const C* src = cache + static_cast<int64_t>(table[j / BS]) * block_stride + offset * slot_stride +
                            unit.kvh * D;
-            key_rows[r] = reinterpret_cast<const uint16_t*>(src);
+            if constexpr (std::is_same_v<C, at::BFloat16>) {
+              key_rows[r] = reinterpret_cast<const uint16_t*>(src);
+            } else {  // float8: the key in bfloat16 scratch, converted once (its clamped copies point at it)
+#if defined(HERON_BF16_PAIRS)
+              uint16_t* row = s.key_bits.data() + (j - j0) * D;
+              if (j == j0 + r) load_bf16_row(src, row, D);
+              key_rows[r] = row;
+#endif
+            }
             if (j == j0 + r) load_row(src + value_offset, s.values.data() + r * D, D);
           }
         } else if (in_place) {  // read in the pool: the tile lies in one block; positions no row attends are masked
