@@ -2,6 +2,7 @@
 linear layers (every layer of the model, so the weights come from memory as in a decode step):
 
     python -m benchmarks.bench_int_linear [--model smollm2-135m-instruct --rows 1,2,4,8,12,16,32,64]
+    python -m benchmarks.bench_int_linear --by-size    # one row's GB/s from memory, by matrix size
 
 For each row count: the model's GGUF blocks through heron's int8-dot kernel (Q4_1 layers, Q8_0 LM head), the
 same weights requantized to 8 bits, and the dense weights in heron's default dtype for this CPU (bfloat16 where
@@ -56,6 +57,31 @@ def baseline_kernels(rev: str) -> ModuleType:
                 extra_include_paths=[str(build)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
 
 
+def by_size(kernels: ModuleType, repeats: int) -> list[dict]:
+    """One row's read speed of the integer kernel, from memory, for matrices of the model's shapes and larger:
+    each shape is repeated until the copies (~70+ MiB) are past the L3, and the row goes through all of them."""
+    results = []
+    for n, k, count in [(49_152, 576, 6), (3_072, 576, 60), (576, 1_536, 120), (576, 576, 300)]:
+        g = torch.Generator().manual_seed(n)
+        weights = [pack(IntShard(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+                                 torch.rand(n, k // 32, generator=g), torch.rand(n, k // 32, generator=g), 4, 32))
+                   for _ in range(count)]
+        x = torch.randn(1, k, generator=g).bfloat16()
+        nbytes = sum(p.nbytes for p in weights)
+
+        def run(weights: list[PackedInt] = weights, x: torch.Tensor = x) -> None:
+            for p in weights:
+                kernels.int_linear(x, p.qweight, p.scales, p.mins, p.bits, p.group, p.n, None)
+
+        seconds = best_seconds(run, repeats)
+        row = {"n": n, "k": k, "matrix_mib": nbytes / count / 2**20, "copies": count,
+               "us_per_call": seconds / count * 1e6, "gb_per_s": nbytes / seconds / 1e9}
+        results.append(row)
+        print(f"{n:6d} x {k:5d} ({row['matrix_mib']:6.2f} MiB) x {count:3d}: {row['us_per_call']:7.1f} us a call, "
+              f"{row['gb_per_s']:5.1f} GB/s", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -65,8 +91,14 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time the kernel of git revision REV, taking turns with today's")
     parser.add_argument("--name", default=None, help="the result file's name (default: int_linear_<kernel ISA>)")
+    parser.add_argument("--by-size", action="store_true",
+                        help="instead: one bfloat16 row through random 4-bit matrices of several sizes, each shape "
+                             "repeated past the L3 so that it comes from memory (GB/s per size)")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
+    if args.by_size:
+        save(args.name or "int_linear_by_size", {"kernel": integer_kernel(), "results": by_size(kernels, args.repeats)})
+        return
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     model = load_model(args.model, dtype, torch.device("cpu")).model
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and getattr(m, "packed", None) is not None]
