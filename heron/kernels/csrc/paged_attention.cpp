@@ -435,10 +435,10 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
     const int64_t rows = (unit.q1 - unit.q0) * group;
     const int64_t vectors = (rows + kLanes - 1) / kLanes, padded = vectors * kLanes;
     const bool whole = unit.parts == 1;
-    s.qf.resize(rows * D);
     if constexpr (pairs) {
       s.qp.assign(vectors * D / 2 * kLanes, 0u);
     } else {
+      s.qf.resize(rows * D);
       s.qt.assign(vectors * D * kLanes, 0.0f);
     }
     s.acc.resize(rows * D);
