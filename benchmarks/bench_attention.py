@@ -19,6 +19,7 @@ from benchmarks.bench_roofs import best_seconds
 from benchmarks.common import save
 from heron.engine.memory import resolve_dtype
 from heron.kernels import load_cpu_kernels
+from heron.quantization.kv import FP8_KV_CACHE_DTYPES
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 # name -> (sequences, context length, new queries per sequence)
@@ -49,7 +50,7 @@ def attention_call(kernels, sequences: int, context: int, queries: int, dtype: t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto", help="queries and pool (auto: heron's default here)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_KV_CACHE_DTYPES],
                         help="the pool's dtype (auto: the queries')")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=7)
@@ -57,8 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     kernels = load_cpu_kernels()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    pool_dtype = dtype if args.kv_cache_dtype == "auto" else (
-        torch.float8_e5m2 if args.kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
+    pool_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, FP8_KV_CACHE_DTYPES[args.kv_cache_dtype])
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -73,8 +73,8 @@ def main() -> None:
             us = best_seconds(timed, args.repeats) / calls * 1e6
             results.append({"step": name, "threads": threads, "us_per_call": us})
             print(f"{threads} threads  {name:48s} {us:9.1f} us", flush=True)
-    save(args.name, {"dtype": str(dtype), "kv_cache_dtype": str(pool_dtype), "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                     "block_size": BLOCK, "results": results})
+    save(args.name, {"dtype": str(dtype), "kv_cache_dtype": str(pool_dtype), "heads": HEADS, "kv_heads": KV_HEADS,
+                     "head_dim": HEAD_DIM, "block_size": BLOCK, "results": results})
 
 
 if __name__ == "__main__":
