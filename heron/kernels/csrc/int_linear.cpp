@@ -83,10 +83,12 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t rows, i
       float* scale = a.scale.data() + m * Kp / kActBlock;
       int32_t* sum16 = a.sum16.data() + m * Kp / 16;
       for (int64_t b = 0; b < Kp / kActBlock; ++b) quantize_block(row.data() + b * kActBlock, q + b * kActBlock, scale + b, sum16 + 2 * b);
-      float* group_sum = a.group_sum.data() + m * Kp / G;  // the min term's: from the same rounded values
+      // the min term's, from the same rounded values: each block's scale times its exact integer sum
+      float* group_sum = a.group_sum.data() + m * Kp / G;
       for (int64_t g = 0; g < Kp / G; ++g) {
         float total = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; ++k) total += scale[k / kActBlock] * q[k];
+        for (int64_t k = g * G; k < (g + 1) * G; k += std::min(G, kActBlock))
+          total += scale[k / kActBlock] * (G == 16 ? sum16[k / 16] : sum16[k / 16] + sum16[k / 16 + 1]);
         group_sum[g] = total;
       }
     }
@@ -459,11 +461,14 @@ void tiles_rows(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* 
 template <typename T>
 void store_tile(const float* out, int64_t rows, int64_t m0, int64_t col0, int64_t n, const float* bias, T* y) {
   const int64_t cols = std::min(kRows, n - col0);
+  float add[kRows] = {};
+  if (bias) std::copy(bias + col0, bias + col0 + cols, add);
   float row[kRows];
   for (int64_t m = 0; m < rows; ++m) {
 #pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) row[c] = out[m * kRows + c] + (bias ? bias[col0 + c] : 0.f);
-    heron::store_row(row, y + (m0 + m) * n + col0, cols);
+    for (int64_t c = 0; c < kRows; ++c) row[c] = out[m * kRows + c] + add[c];
+    if (cols == kRows) heron::store_row(row, y + (m0 + m) * n + col0, kRows);  // a whole tile: no loop tail
+    else heron::store_row(row, y + (m0 + m) * n + col0, cols);
   }
 }
 
