@@ -554,7 +554,22 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
           const int64_t t0 = 2 * pair, nt = std::min<int64_t>(2, tiles - t0);
           const S* sp = scales_p + t0 * groups * kRows;
           const S* mp = mins_p + t0 * groups * kRows;
-          for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+          // Several passes (more than kMaxTileRows rows): each also starts fetching its share of the next pair's
+          // weights into L2, the first one the next pair's scales and mins, so that pair's first pass finds them
+          // there instead of waiting on memory (decode steps of 8-32 sequences: the layers 1.10-1.14x,
+          // docs/performance.md). Written out here: GCC drops a call to a function that only prefetches.
+          const int64_t passes = (M + kMaxTileRows - 1) / kMaxTileRows;
+          const int64_t next_bytes = passes > 1 && pair + 1 < end ? std::min<int64_t>(2, tiles - t0 - 2) * tile_bytes : 0;
+          const int64_t share = (next_bytes / passes + 63) / 64 * 64;
+          const uint8_t* next = wp + (t0 + 2) * tile_bytes;
+          const int64_t next_scale_bytes = next_bytes / tile_bytes * groups * kRows * sizeof(S);
+          for (int64_t m0 = 0, pass = 0; m0 < M; m0 += kMaxTileRows, ++pass) {
+            for (int64_t off = pass * share; off < std::min(next_bytes, (pass + 1) * share); off += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
+            for (int64_t off = 0; pass == 0 && off < next_scale_bytes; off += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(sp + 2 * groups * kRows) + off, _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(mp + 2 * groups * kRows) + off, _MM_HINT_T1);
+            }
             const int64_t rows = std::min(kMaxTileRows, M - m0);
             if (bits == 8) tiles_rows<8, S>(wp + t0 * tile_bytes, tile_bytes, sp, mp, Kp, group, a, m0, rows, nt, out);
             else tiles_rows<4, S>(wp + t0 * tile_bytes, tile_bytes, sp, mp, Kp, group, a, m0, rows, nt, out);
