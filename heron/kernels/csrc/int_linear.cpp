@@ -70,6 +70,11 @@ inline void quantize_block(const float* v, int8_t* q, float* scale, int32_t* sum
   *scale = amax / 127.f;
 }
 
+// The sum of a row's int8 values over inputs [k, k + count), count 16 or 32, from its sums per 16 inputs.
+inline int32_t int_sum(const int32_t* sum16, int64_t k, int64_t count) {
+  return count == 16 ? sum16[k / 16] : sum16[k / 16] + sum16[k / 16 + 1];
+}
+
 // Rows M .. rows - 1 (padding for a pass of whole row blocks) are zeros.
 template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t rows, int64_t K, int64_t Kp, int64_t G) {
@@ -85,10 +90,10 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t rows, i
       for (int64_t b = 0; b < Kp / kActBlock; ++b) quantize_block(row.data() + b * kActBlock, q + b * kActBlock, scale + b, sum16 + 2 * b);
       // the min term's, from the same rounded values: each block's scale times its exact integer sum
       float* group_sum = a.group_sum.data() + m * Kp / G;
+      const int64_t sub = std::min(G, kActBlock);
       for (int64_t g = 0; g < Kp / G; ++g) {
         float total = 0.f;
-        for (int64_t k = g * G; k < (g + 1) * G; k += std::min(G, kActBlock))
-          total += scale[k / kActBlock] * (G == 16 ? sum16[k / 16] : sum16[k / 16] + sum16[k / 16 + 1]);
+        for (int64_t k = g * G; k < (g + 1) * G; k += sub) total += scale[k / kActBlock] * int_sum(sum16, k, sub);
         group_sum[g] = total;
       }
     }
@@ -104,9 +109,7 @@ struct ActivationRows {
   const float* group_sum[MT];
   const int32_t* sum16[MT];
   // sum of row m's int8 values over inputs [k, k + count), count 16 or 32
-  int32_t sum_of(int m, int64_t k, int64_t count) const {
-    return count == 16 ? sum16[m][k / 16] : sum16[m][k / 16] + sum16[m][k / 16 + 1];
-  }
+  int32_t sum_of(int m, int64_t k, int64_t count) const { return int_sum(sum16[m], k, count); }
   ActivationRows(const QuantizedActivations& a, int64_t m0, int64_t Kp, int64_t G) {
     for (int m = 0; m < MT; ++m) {
       q[m] = a.q.data() + (m0 + m) * Kp;
@@ -461,14 +464,11 @@ void tiles_rows(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* 
 template <typename T>
 void store_tile(const float* out, int64_t rows, int64_t m0, int64_t col0, int64_t n, const float* bias, T* y) {
   const int64_t cols = std::min(kRows, n - col0);
-  float add[kRows] = {};
-  if (bias) std::copy(bias + col0, bias + col0 + cols, add);
   float row[kRows];
   for (int64_t m = 0; m < rows; ++m) {
 #pragma omp simd
-    for (int64_t c = 0; c < kRows; ++c) row[c] = out[m * kRows + c] + add[c];
-    if (cols == kRows) heron::store_row(row, y + (m0 + m) * n + col0, kRows);  // a whole tile: no loop tail
-    else heron::store_row(row, y + (m0 + m) * n + col0, cols);
+    for (int64_t c = 0; c < cols; ++c) row[c] = out[m * kRows + c] + (bias ? bias[col0 + c] : 0.f);
+    heron::store_row(row, y + (m0 + m) * n + col0, cols);
   }
 }
 
@@ -559,10 +559,10 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
           // there instead of waiting on memory (decode steps of 8-32 sequences: the layers 1.10-1.14x,
           // docs/performance.md). Written out here: GCC drops a call to a function that only prefetches.
           const int64_t passes = (M + kMaxTileRows - 1) / kMaxTileRows;
-          const int64_t next_bytes = passes > 1 && pair + 1 < end ? std::min<int64_t>(2, tiles - t0 - 2) * tile_bytes : 0;
-          const int64_t share = (next_bytes / passes + 63) / 64 * 64;
+          const int64_t next_tiles = passes > 1 && pair + 1 < end ? std::min<int64_t>(2, tiles - t0 - 2) : 0;
+          const int64_t next_bytes = next_tiles * tile_bytes, share = (next_bytes / passes + 63) / 64 * 64;
+          const int64_t next_scale_bytes = next_tiles * groups * kRows * sizeof(S);
           const uint8_t* next = wp + (t0 + 2) * tile_bytes;
-          const int64_t next_scale_bytes = next_bytes / tile_bytes * groups * kRows * sizeof(S);
           for (int64_t m0 = 0, pass = 0; m0 < M; m0 += kMaxTileRows, ++pass) {
             for (int64_t off = pass * share; off < std::min(next_bytes, (pass + 1) * share); off += 64)
               _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
