@@ -20,6 +20,16 @@ namespace {
 constexpr int64_t kRows = 16;      // output rows per tile
 constexpr int64_t kActBlock = 32;  // inputs per activation scale
 constexpr int64_t kMaxTileRows = 4;  // activation rows sharing one pass over a tile's weights
+// A call of one pass (up to kMaxTileRows rows: decode steps of a few sequences) reads a pair's two tiles one after
+// the other, not side by side: one stream of weights per thread, which its prefetch keeps far enough ahead to read
+// at memory speed (Zen 4, a model's layers from memory, 4-bit weights: one row 1.45x, four 1.22x; 8-bit: 1.20x,
+// 1.14x; docs/performance.md). Calls of more rows keep the pairs (within noise either way at 8-512 rows). Measured
+// with the VNNI loop only.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kOneTilePasses = true;
+#else
+constexpr bool kOneTilePasses = false;
+#endif
 
 // Scales and mins are float32, or float16 where a format's are exactly float16 (a fifth fewer bytes to read).
 inline float scalar_of(const float* p) { return *p; }
@@ -129,12 +139,15 @@ inline int32_t four_bytes(const int8_t* p) {
 
 // Bytes ahead of each tile's stream to prefetch: a layer's matrix is short (0.2-1 MB per thread), too short for
 // the hardware prefetcher to reach full speed (on Zen 3's AVX2 loop a model pass
-// 5-10% faster, the 8-bit LM head ~10%; on Zen 4's VNNI loop see docs/performance.md).
+// 5-10% faster, the 8-bit LM head ~10%; on Zen 4's VNNI loop see docs/performance.md). A tile read alone (see
+// kOneTilePasses) is its thread's only stream and is fetched further ahead.
 constexpr int64_t kPrefetchBytes = 1024;
+constexpr int64_t kOneStreamPrefetchBytes = 4096;
 
-// Starts fetching the cache line ``kPrefetchBytes`` ahead of ``p``.
+// Starts fetching the cache line ``bytes`` ahead of ``p``.
+template <int64_t bytes = kPrefetchBytes>
 inline void prefetch_ahead(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + bytes), _MM_HINT_T0);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -159,7 +172,7 @@ inline void block_dot(const uint8_t* const* wp, const S* const* ws_p, const Acti
     const int64_t k = kb + s * kStep;
     for (int t = 0; t < NT; ++t) {
       const uint8_t* w = wp[t] + s * 64;
-      prefetch_ahead(w);
+      prefetch_ahead<NT == 1 ? kOneStreamPrefetchBytes : kPrefetchBytes>(w);
       const __m512i v = _mm512_loadu_si512(w);
       // 8-bit: the step's 4 inputs per row; 4-bit: inputs 0-3 in the low nibbles, 4-7 in the high ones
       const __m512i first = BITS == 8 ? v : _mm512_and_si512(v, low4);
@@ -571,8 +584,13 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
               _mm_prefetch(reinterpret_cast<const char*>(mp + 2 * groups * kRows) + off, _MM_HINT_T1);
             }
             const int64_t rows = std::min(kMaxTileRows, M - m0);
-            if (bits == 8) tiles_rows<8, S>(wp + t0 * tile_bytes, tile_bytes, sp, mp, Kp, group, a, m0, rows, nt, out);
-            else tiles_rows<4, S>(wp + t0 * tile_bytes, tile_bytes, sp, mp, Kp, group, a, m0, rows, nt, out);
+            const int64_t step = kOneTilePasses && passes == 1 ? 1 : nt;  // tiles per call
+            for (int64_t t = 0; t < nt; t += step) {
+              const int64_t at = (t0 + t) * tile_bytes, scale_at = t * groups * kRows;
+              float* o = out + t * rows * kRows;
+              if (bits == 8) tiles_rows<8, S>(wp + at, tile_bytes, sp + scale_at, mp + scale_at, Kp, group, a, m0, rows, step, o);
+              else tiles_rows<4, S>(wp + at, tile_bytes, sp + scale_at, mp + scale_at, Kp, group, a, m0, rows, step, o);
+            }
             for (int64_t t = 0; t < nt; ++t) store_tile(out + t * rows * kRows, rows, m0, (t0 + t) * kRows, n, bp, yp);
           }
         }
