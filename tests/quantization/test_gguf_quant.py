@@ -120,13 +120,14 @@ def test_kernel_products_at_the_extremes_do_not_saturate(bits):
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_rows_do_not_depend_on_their_batch(qtype, dtype):
-    """Bit for bit, in a batch of any size: greedy output cannot depend on batching or prefix-cache hits. A few
-    rows take the VNNI/AVX2 loop, more (where the CPU has AMX) tile multiplies by pairs of 16-row blocks: the
-    same integer sums and float steps."""
+    """Bit for bit, in a batch of any size: greedy output cannot depend on batching or prefix-cache hits. Up to 8
+    rows take the VNNI loop tile by tile in one pass, more go by pairs of tiles in passes of 4 (the AVX2 loop
+    always), and more still (where the CPU has AMX) tile multiplies by pairs of 16-row blocks: the same integer
+    sums and float steps."""
     packed = pack(int_shard(random_blocks(qtype, 72, 256)))  # 4.5 tiles of 16 outputs: pairs and one alone
     x = torch.randn(45, 256, dtype=dtype)
     alone = torch.cat([packed_int.linear(row[None], packed) for row in x])
-    for rows in (45, 33, 16, 12, 7, 2):
+    for rows in (45, 33, 16, 12, 9, 8, 7, 5, 4, 2):
         assert torch.equal(packed_int.linear(x[:rows], packed), alone[:rows]), rows
 
 

@@ -20,16 +20,18 @@ namespace {
 constexpr int64_t kRows = 16;      // output rows per tile
 constexpr int64_t kActBlock = 32;  // inputs per activation scale
 constexpr int64_t kMaxTileRows = 4;  // activation rows sharing one pass over a tile's weights
-// A call of one pass (up to kMaxTileRows rows: decode steps of a few sequences) reads a pair's two tiles one after
-// the other, not side by side: one stream of weights per thread, which its prefetch keeps far enough ahead to read
-// at memory speed (Zen 4, a model's layers from memory, 4-bit weights: one row 1.45x, four 1.22x; 8-bit: 1.20x,
-// 1.14x; docs/performance.md). Calls of more rows keep the pairs (within noise either way at 8-512 rows). Measured
-// with the VNNI loop only.
+// A call of up to kOneTileMaxRows rows (decode steps of a few sequences) takes all its rows in one pass and reads a
+// pair's two tiles one after the other, not side by side: one stream of weights per thread, which its prefetch
+// keeps far enough ahead to read at memory speed (Zen 4, a model's layers from memory, 4-bit weights: one row
+// 1.45x, four 1.22x, 5-8 rows 1.0-1.2x; 8-bit: 1.14-1.28x; docs/performance.md). Calls of more rows keep pairs of
+// tiles and passes of kMaxTileRows: compute-bound there, they lose with 8-row passes (0.73-0.83x), and one tile
+// at a time is within noise. Measured with the VNNI loop only.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kOneTilePasses = true;
 #else
 constexpr bool kOneTilePasses = false;
 #endif
+constexpr int64_t kOneTileMaxRows = 8;
 
 // Scales and mins are float32, or float16 where a format's are exactly float16 (a fifth fewer bytes to read).
 inline float scalar_of(const float* p) { return *p; }
@@ -454,10 +456,20 @@ void amx_tiles(const uint8_t* const* w, const S* const* scales, const S* const* 
 
 #endif
 
-// One pass over NT (1 or 2) tiles for MT (1-4) activation rows: the template arguments picked at run time.
+// One pass over NT (1 or 2) tiles for MT (1-4; 5-8 with one tile) activation rows: the template arguments picked at
+// run time.
 template <int BITS, int NT, typename S>
 void tile_rows(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
                const QuantizedActivations& a, int64_t m0, int64_t rows, float* out) {
+  if constexpr (NT == 1 && kOneTilePasses) {  // a call of 5-8 rows in one pass
+    switch (rows) {
+      case 5: return tile_dot<BITS, 5, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      case 6: return tile_dot<BITS, 6, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      case 7: return tile_dot<BITS, 7, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      case 8: return tile_dot<BITS, 8, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      default: break;
+    }
+  }
   switch (rows) {
     case 1: return tile_dot<BITS, 1, NT, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
     case 2: return tile_dot<BITS, 2, NT, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
@@ -560,31 +572,33 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
         return;
       }
 #endif
-      // pairs of tiles: each weight byte unpacked once feeds up to 4 activation rows x 2 accumulators
+      // pairs of tiles: each weight byte unpacked once feeds up to 4 activation rows x 2 accumulators (or, in a
+      // call of a few rows, all of them x 1: see kOneTilePasses)
+      const bool one_tile = kOneTilePasses && M <= kOneTileMaxRows;
+      const int64_t pass_rows = one_tile ? M : kMaxTileRows, passes = (M + pass_rows - 1) / pass_rows;
       at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-        float out[2 * kMaxTileRows * kRows];
+        float out[2 * kOneTileMaxRows * kRows];
         for (int64_t pair = begin; pair < end; ++pair) {
           const int64_t t0 = 2 * pair, nt = std::min<int64_t>(2, tiles - t0);
           const S* sp = scales_p + t0 * groups * kRows;
           const S* mp = mins_p + t0 * groups * kRows;
-          // Several passes (more than kMaxTileRows rows): each also starts fetching its share of the next pair's
+          // Several passes (more than kOneTileMaxRows rows): each also starts fetching its share of the next pair's
           // weights into L2, the first one the next pair's scales and mins, so that pair's first pass finds them
-          // there instead of waiting on memory (decode steps of 8-32 sequences: the layers 1.10-1.14x,
+          // there instead of waiting on memory (decode steps of 9-32 sequences: the layers 1.06-1.14x,
           // docs/performance.md). Written out here: GCC drops a call to a function that only prefetches.
-          const int64_t passes = (M + kMaxTileRows - 1) / kMaxTileRows;
           const int64_t next_tiles = passes > 1 && pair + 1 < end ? std::min<int64_t>(2, tiles - t0 - 2) : 0;
           const int64_t next_bytes = next_tiles * tile_bytes, share = (next_bytes / passes + 63) / 64 * 64;
           const int64_t next_scale_bytes = next_tiles * groups * kRows * sizeof(S);
           const uint8_t* next = wp + (t0 + 2) * tile_bytes;
-          for (int64_t m0 = 0, pass = 0; m0 < M; m0 += kMaxTileRows, ++pass) {
+          for (int64_t m0 = 0, pass = 0; m0 < M; m0 += pass_rows, ++pass) {
             for (int64_t off = pass * share; off < std::min(next_bytes, (pass + 1) * share); off += 64)
               _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
             for (int64_t off = 0; pass == 0 && off < next_scale_bytes; off += 64) {
               _mm_prefetch(reinterpret_cast<const char*>(sp + 2 * groups * kRows) + off, _MM_HINT_T1);
               _mm_prefetch(reinterpret_cast<const char*>(mp + 2 * groups * kRows) + off, _MM_HINT_T1);
             }
-            const int64_t rows = std::min(kMaxTileRows, M - m0);
-            const int64_t step = kOneTilePasses && passes == 1 ? 1 : nt;  // tiles per call
+            const int64_t rows = std::min(pass_rows, M - m0);
+            const int64_t step = one_tile ? 1 : nt;  // tiles per call
             for (int64_t t = 0; t < nt; t += step) {
               const int64_t at = (t0 + t) * tile_bytes, scale_at = t * groups * kRows;
               float* o = out + t * rows * kRows;
