@@ -69,8 +69,9 @@ class EngineConfig:
                                      "GGUF on the CPU), int8 / int4 (weight-only, from a full-precision checkpoint), "
                                      "fp8, awq, gptq; default: the checkpoint's own", default=None)
     attention_backend: str = _flag("attention backend: auto (the CPU paged kernel on the CPU, else reference), "
-                                   "reference (gather + SDPA, exact), cpu_paged", default="auto",
-                                   meta={"choices": ["auto", "reference", "cpu_paged"]})
+                                   "reference (gather + SDPA, exact), cpu_paged, triton_paged (CUDA, needs Triton; "
+                                   "not yet run on a GPU)", default="auto",
+                                   meta={"choices": ["auto", "reference", "cpu_paged", "triton_paged"]})
     cpu_threads: int | None = _flag("intra-op threads of the engine core on the CPU (llama.cpp's -t); default: "
                                     "one per physical core this process may use, one fewer when serving on 4 or more "
                                     "(the API process needs one); env HERON_CPU_THREADS", default=None)

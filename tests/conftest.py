@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton kernels (heron/attention/triton_paged.py) run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # `from helpers import ...` under any import mode
 
 from helpers import TINY_ARCHS, build_tiny_model  # noqa: E402

@@ -99,14 +99,19 @@ class AttentionBackend(ABC):
 
 def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
     """The backend called ``name``. ``auto``: the CPU paged kernel on the CPU (the reference backend, with a
-    warning, where it cannot be built), the reference backend elsewhere."""
+    warning, where it cannot be built), the reference backend elsewhere (``triton_paged`` on CUDA is chosen by
+    name until it has been run on a GPU: heron/attention/triton_paged.py)."""
     from heron.attention.reference import ReferenceBackend
 
     on_cpu = device is None or device.type == "cpu"
     if name == "reference" or (name == "auto" and not on_cpu):
         return ReferenceBackend()
+    if name == "triton_paged":
+        from heron.attention.triton_paged import TritonPagedBackend
+
+        return TritonPagedBackend()
     if name not in ("auto", "cpu_paged"):
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, reference, cpu_paged")
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, reference, cpu_paged, triton_paged")
     if not on_cpu:
         raise ValueError("the cpu_paged attention backend runs on the CPU only")
     from heron.attention.cpu_paged import CpuPagedBackend
