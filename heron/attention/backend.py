@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from heron.errors import ConfigError
 from heron.quantization.kv import KVScales
 
 logger = logging.getLogger(__name__)
@@ -109,11 +111,14 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
     if name == "triton_paged":
         from heron.attention.triton_paged import TritonPagedBackend
 
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("the triton_paged attention backend runs on CUDA (on the CPU only in Triton's "
+                             "interpreter, TRITON_INTERPRET=1)")
         return TritonPagedBackend()
     if name not in ("auto", "cpu_paged"):
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, reference, cpu_paged, triton_paged")
+        raise ConfigError(f"unknown attention backend {name!r}; choose from auto, reference, cpu_paged, triton_paged")
     if not on_cpu:
-        raise ValueError("the cpu_paged attention backend runs on the CPU only")
+        raise ConfigError("the cpu_paged attention backend runs on the CPU only")
     from heron.attention.cpu_paged import CpuPagedBackend
 
     try:

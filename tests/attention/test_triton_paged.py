@@ -86,14 +86,18 @@ def test_triton_paged_reads_strided_queries_of_many_heads():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_triton_paged_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    backend = get_attention_backend("triton_paged")
+def test_triton_paged_refuses_the_cpu_outside_the_interpreter(monkeypatch, tmp_path):
+    backend = get_attention_backend("triton_paged")  # built under the interpreter (or for a GPU)
     cache = torch.zeros(backend.kv_cache_shape(64, BLOCK, KV_HEADS, DIM))
     step = mixed_step(backend, cache, torch.float32)
     backend.prepare(step.meta)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="runs on CUDA"):
         backend.forward(step.q, step.k, step.v, cache, step.meta)
+    # an engine on the CPU is refused at start, not at its first request
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        LLM(model=str(build_tiny_model("llama", tmp_path / "llama")), attention_backend="triton_paged",
+            device="cpu", max_model_len=128)
 
 
 def test_engine_on_triton_paged_matches_the_reference_backend(tmp_path, monkeypatch):
