@@ -20,6 +20,7 @@ from heron.errors import ModelLoadError
 from heron.layers.linear import LinearBase
 from heron.model.registry import model_class_for
 from heron.model.tokenizer import eos_token_ids, load_tokenizer, set_chat_template
+from heron.model.weight_arena import gather_packed_weights
 from heron.quantization import get_quantization_method
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ def load_model(name: str, dtype: torch.dtype, device: torch.device, max_position
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.quant_method.process_weights_after_loading(module)
+    gather_packed_weights(model)
     model.build_decoder_stack()
     model.eval()
     if tok is None:
