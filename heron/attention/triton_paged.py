@@ -25,6 +25,7 @@ import torch
 
 from heron.attention.backend import AttentionMetadata
 from heron.attention.reference import ReferenceBackend
+from heron.errors import ConfigError
 
 DECODE_ROWS = 16  # score-tile rows of a step whose sequences have one query each (the tile's smallest height)
 PREFILL_ROWS = 64  # score-tile rows where some sequence has several queries
@@ -119,7 +120,7 @@ class TritonPagedBackend(ReferenceBackend):
 
     def __init__(self) -> None:
         if not triton_available():
-            raise ImportError("the triton_paged attention backend needs Triton (pip install triton)")
+            raise ConfigError("the triton_paged attention backend needs Triton (pip install triton)")
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.backend_data["max_query_len"] = max(meta.query_lens, default=0)

@@ -124,6 +124,15 @@ def test_engine_on_triton_paged_matches_the_reference_backend(tmp_path, monkeypa
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=1e-4)
 
 
+def test_triton_paged_without_triton_is_a_config_error(monkeypatch):
+    import heron.attention.triton_paged as module
+    from heron.errors import ConfigError
+
+    monkeypatch.setattr(module, "triton_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs Triton"):
+        get_attention_backend("triton_paged")
+
+
 def test_triton_paged_refuses_an_fp8_pool(tmp_path):
     path = build_tiny_model("llama", tmp_path / "llama")
     with pytest.raises(Exception, match="fp8|float8"):
