@@ -37,30 +37,35 @@ def advise_huge_pages(address: int, length: int) -> bool:
     return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
 
 
+def _parts(packed: PackedInt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return packed.qweight, packed.scales, packed.mins
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def gather_packed_weights(model: torch.nn.Module) -> int:
     """Move every CPU layer's packed integer weight (its codes, scales and mins) into one huge-page buffer, in
-    module order; return the bytes moved (0 where it was not done)."""
+    module order, freeing each layer's old tensors as it goes; return the bytes moved (0 where it was not
+    done)."""
     if os.environ.get("HERON_WEIGHT_ARENA") == "0":
         return 0
     layers = [m for m in model.modules()
               if isinstance(getattr(m, "packed", None), PackedInt) and m.packed.qweight.device.type == "cpu"]
-    tensors = [t for m in layers for t in (m.packed.qweight, m.packed.scales, m.packed.mins)]
-    sizes = [-(-t.nbytes // ALIGN) * ALIGN for t in tensors]
-    total = sum(sizes)
+    total = sum(_aligned(t.nbytes) for m in layers for t in _parts(m.packed))
     if total == 0:
         return 0
-    buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
-    start = -buffer.data_ptr() % HUGE_PAGE
-    if not advise_huge_pages(buffer.data_ptr() + start, -(-total // HUGE_PAGE) * HUGE_PAGE):
+    buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # pages are taken as the copies touch them
+    offset = -buffer.data_ptr() % HUGE_PAGE
+    if not advise_huge_pages(buffer.data_ptr() + offset, -(-total // HUGE_PAGE) * HUGE_PAGE):
         logger.debug("no huge pages for the packed weights (madvise refused); they stay where they are")
         return 0
-    views, offset = [], start
-    for t, size in zip(tensors, sizes, strict=True):
-        view = buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        views.append(view)
-        offset += size
-    for i, m in enumerate(layers):
-        m.packed = dataclasses.replace(m.packed, qweight=views[3 * i], scales=views[3 * i + 1], mins=views[3 * i + 2])
+    for m in layers:  # one layer at a time, so each old copy is freed before the next is made: no second model
+        views = []
+        for t in _parts(m.packed):
+            views.append(buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t))
+            offset += _aligned(t.nbytes)
+        m.packed = dataclasses.replace(m.packed, qweight=views[0], scales=views[1], mins=views[2])
     logger.info("packed weights: %.1f MiB of %d layers in one huge-page buffer", total / 2**20, len(layers))
     return total

@@ -64,3 +64,33 @@ def test_weights_stay_where_huge_pages_are_refused(q4_path, monkeypatch):
     packed = packed_layers(llm)
     assert len({p.qweight.untyped_storage().data_ptr() for p in packed}) == len(packed)
     assert len(run(llm)[1]) == 8
+
+
+PEAK_SCRIPT = """
+import resource, sys, torch
+from heron.model.weight_arena import gather_packed_weights
+from heron.quantization.packed_int import PackedInt
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        q = torch.ones(2560, 1024, 16, 4, dtype=torch.uint8)  # 160 MiB of codes, touched
+        s = torch.ones(2560, 16, 16, dtype=torch.float16)
+        self.packed = PackedInt(q, s, s.clone(), 4, 32, 40960, 8192)
+
+model = torch.nn.Sequential(*[Layer() for _ in range(4)])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+moved = gather_packed_weights(model)
+print(moved, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="huge pages are asked of Linux")
+def test_gathering_does_not_hold_a_second_copy_of_the_weights():
+    # four layers of 160 MiB: moved one at a time, the peak grows by about one layer, not by the model
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, check=True)
+    moved, growth_kib = (int(v) for v in out.stdout.split())
+    assert moved > 4 * 160 * 2**20
+    assert growth_kib * 1024 < 2 * 160 * 2**20
