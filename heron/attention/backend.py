@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,11 +108,10 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
     if name == "reference" or (name == "auto" and not on_cpu):
         return ReferenceBackend()
     if name == "triton_paged":
-        from heron.attention.triton_paged import TritonPagedBackend
+        from heron.attention.triton_paged import ONLY_CUDA, TritonPagedBackend, interpreted
 
-        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("the triton_paged attention backend runs on CUDA (on the CPU only in Triton's "
-                             "interpreter, TRITON_INTERPRET=1)")
+        if on_cpu and not interpreted():
+            raise ConfigError(ONLY_CUDA)
         return TritonPagedBackend()
     if name not in ("auto", "cpu_paged"):
         raise ConfigError(f"unknown attention backend {name!r}; choose from auto, reference, cpu_paged, triton_paged")

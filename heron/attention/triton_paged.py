@@ -11,8 +11,8 @@ It shares the reference backend's pool layout, KV writes and block copies; only 
 Not yet run on a GPU: the tests run it in Triton's interpreter (``TRITON_INTERPRET=1``) on the CPU against dense
 attention and the reference backend, in float32 and float16 (the interpreter's bfloat16 dot products are
 broken), which checks its indexing, masking and softmax but not its compilation for a GPU;
-``benchmarks/gpu_check.sh`` does that where a GPU is lent. So ``auto`` keeps the reference backend on CUDA until then, and a float8 pool is not
-read here yet.
+``benchmarks/gpu_check.sh`` does that where a GPU is lent. So ``auto`` keeps the reference backend on CUDA until
+then, and a float8 pool is not read here yet.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ from heron.errors import ConfigError
 DECODE_ROWS = 16  # score-tile rows of a step whose sequences have one query each (the tile's smallest height)
 PREFILL_ROWS = 64  # score-tile rows where some sequence has several queries
 TILE_N = 32  # context positions per tile
+ONLY_CUDA = "the triton_paged attention backend runs on CUDA (on the CPU only in Triton's interpreter, TRITON_INTERPRET=1)"
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (the only way this backend takes CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache
@@ -132,12 +138,13 @@ class TritonPagedBackend(ReferenceBackend):
         max_q = meta.backend_data["max_query_len"]
         if max_q == 0:
             return out
-        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("the triton_paged attention backend runs on CUDA (on the CPU only in Triton's "
-                               "interpreter, TRITON_INTERPRET=1)")
+        if not q.is_cuda and not interpreted():
+            raise RuntimeError(ONLY_CUDA)
+        from triton import next_power_of_2
+
         heads, head_dim = q.shape[1], q.shape[2]
         group = heads // kv_cache.shape[3]
-        block_m = max(DECODE_ROWS if max_q == 1 else PREFILL_ROWS, triton_next_power_of_2(group))
+        block_m = max(DECODE_ROWS if max_q == 1 else PREFILL_ROWS, next_power_of_2(group))
         block_q = block_m // group
         keys, values = kv_cache[0], kv_cache[1]
         assert q.stride(2) == 1 and keys.stride(3) == 1, "the kernel reads rows of contiguous head dims"
@@ -147,12 +154,7 @@ class TritonPagedBackend(ReferenceBackend):
             1.0 / math.sqrt(head_dim), sliding_window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             meta.block_table.stride(0),
-            HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton_next_power_of_2(head_dim)), GROUP=group, BLOCK_Q=block_q,
+            HEAD_DIM=head_dim, HEAD_DIM_P=max(16, next_power_of_2(head_dim)), GROUP=group, BLOCK_Q=block_q,
             BLOCK_M=block_m, TILE=TILE_N, PAGE=meta.block_size, WINDOWED=sliding_window is not None,
             IEEE=q.dtype == torch.float32)
         return out
-
-
-def triton_next_power_of_2(n: int) -> int:
-    """The smallest power of two >= ``n`` (Triton's block shapes must be powers of two)."""
-    return 1 << max(0, n - 1).bit_length()
