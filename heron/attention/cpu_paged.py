@@ -7,10 +7,11 @@ cache (with packed integer weights, whose activations are rounded to int8, a las
 another token). In float32 every query goes through it: on an AVX2 CPU it measured faster than gather + SDPA
 at every chunk shape tried, up to 2,048 queries over 2,048 positions (docs/performance.md), and so it does in half
 precision on a CPU without AMX (Zen 4: prefill 1.3-1.9x that of SDPA). Where the CPU has AMX, the sequences with
-few queries this step (decodes, speculative verification: at most ``MAX_KERNEL_QUERIES``) go through it and long
-prefill chunks take the reference path (gather + SDPA, whose bfloat16 GEMMs run on AMX tiles: 1.1-1.7x the
-kernel there), one SDPA call per chunk so that a chunk's result does not depend on the shapes of the others in
-its step. The kernel is part of heron's CPU extension (heron/kernels), built at first use;
+few queries this step (decodes, speculative verification: at most ``MAX_KERNEL_QUERIES``) or a short context (at
+most ``MAX_KERNEL_CONTEXT`` positions: a short prompt, whose step then stays in the decoder stack) go through it,
+and long prefill chunks of longer sequences take the reference path (gather + SDPA, whose bfloat16 GEMMs run on
+AMX tiles: 1.1-1.7x the kernel there), one SDPA call per chunk so that a chunk's result does not depend on the
+shapes of the others in its step. The kernel is part of heron's CPU extension (heron/kernels), built at first use;
 without a compiler the engine falls back to the reference backend with one warning. A float8 pool is written
 and read by the kernels too: the queries and the output keep the model's dtype, and the layer's key scale is
 folded into the queries, its value scale into the output.
@@ -26,6 +27,17 @@ from heron.cpu import cpu_flags
 from heron.kernels import load_cpu_kernels
 
 MAX_KERNEL_QUERIES = 16
+# Where long chunks take SDPA: sequences up to this many positions still take the kernel. Prefill of 128-token
+# prompts measured 1.13x faster through the kernel on a Sapphire Rapids VM, of 256-token ones 0.88x
+# (docs/performance.md).
+MAX_KERNEL_CONTEXT = 192
+
+
+def kernel_takes(query_len: int, seq_len: int) -> bool:
+    """Whether a sequence's queries of a step go through the kernel where long chunks take SDPA: few queries,
+    or a short context. It depends on the sequence alone, so a prompt found in the prefix cache or cut into
+    other chunks still takes the same path as long as it stays short."""
+    return query_len <= MAX_KERNEL_QUERIES or seq_len <= MAX_KERNEL_CONTEXT
 
 
 def kernel_takes_every_query(dtype: torch.dtype) -> bool:
@@ -43,12 +55,12 @@ class CpuPagedBackend(ReferenceBackend):
         self.kernel = load_cpu_kernels()
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        few = [q <= MAX_KERNEL_QUERIES for q in meta.query_lens]
+        takes = [kernel_takes(q, n) for q, n in zip(meta.query_lens, meta.context_lens, strict=True)]
         starts = meta.query_start_loc.cpu().to(torch.int32)
         begin, end = starts[:-1].clone(), starts[1:].clone()
         meta.backend_data["kernel"] = (begin, end)  # every query (kernel_takes_every_query)
-        meta.backend_data["kernel_few"] = (begin, torch.where(torch.tensor(few), end, begin))
-        meta.backend_data["long"] = [b for b, f in enumerate(few) if not f]
+        meta.backend_data["kernel_share"] = (begin, torch.where(torch.tensor(takes), end, begin))  # kernel_takes
+        meta.backend_data["long"] = [b for b, t in enumerate(takes) if not t]
 
     @staticmethod
     def kernel_queries(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -59,13 +71,13 @@ class CpuPagedBackend(ReferenceBackend):
             return None
         if kernel_takes_every_query(dtype):
             return data["kernel"]
-        return None if data["long"] else data["kernel_few"]
+        return None if data["long"] else data["kernel_share"]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         self.store_kv(kv_cache, k, v, meta.slot_mapping)
         every_query = kernel_takes_every_query(q.dtype)
-        begin, end = meta.backend_data["kernel" if every_query else "kernel_few"]
+        begin, end = meta.backend_data["kernel" if every_query else "kernel_share"]
         out = self.kernel.paged_attention(q, kv_cache, meta.block_table, meta.seq_lens, begin, end,
                                           q.shape[-1] ** -0.5, sliding_window or 0, self.kv_scales.k,
                                           self.kv_scales.v)

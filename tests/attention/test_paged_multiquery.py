@@ -5,6 +5,10 @@ dense attention in float32."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -223,3 +227,16 @@ def test_a_query_row_is_bitwise_the_same_across_threads_windows_and_prefill_chun
         assert torch.equal(run([(length, 50)], threads)[0], alone)
         assert torch.equal(run([(30, 7), (length, 50), (170, 3)], threads)[1], alone)
         assert torch.equal(run([(length - 40, 10), (length, 40)], threads)[1], alone[10:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("pairs", ["0", "1"])
+def test_bfloat16_scores_either_way(pairs):
+    """bfloat16 scores from VDPBF16PS pairs (AMD) or from float32 FMAs (Intel), as HERON_BF16_PAIRS forces either
+    on any CPU: both against dense attention and bit for bit across batches. The choice is read once a process,
+    so each runs this file's bfloat16 tests in a process of its own."""
+    env = {**os.environ, "HERON_BF16_PAIRS": pairs}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "(bfloat16 or bitwise) and not either_way"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout

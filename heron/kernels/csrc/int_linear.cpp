@@ -398,12 +398,13 @@ void unpack_tile4(const uint8_t* w, int64_t Kp, uint8_t* out) {
   }
 }
 
-// Sums of packed tile t x row block b into register C = 4 + 2t + b (from A = b, B = 2 + t), stored to ``out``.
-// GCC's tile intrinsics paste the register numbers into the instruction text: literal numbers only.
-#define HERON_TILE_MULTIPLY(C, A, B, out) \
-  _tile_zero(C);                          \
-  _tile_dpbsud(C, A, B);                  \
-  _tile_stored(C, out, 64)
+// Sums of packed tile t x row block b into register C = 4 + 2t + b (from A = b, B = 2 + t); stored to memory by
+// _tile_stored once every multiply of the block is issued, so that the stores wait on the tile unit's latency
+// once, not once per multiply. GCC's tile intrinsics paste the register numbers into the instruction text:
+// literal numbers only.
+#define HERON_TILE_MULTIPLY(C, A, B) \
+  _tile_zero(C);                     \
+  _tile_dpbsud(C, A, B)
 
 // NT (1-2) packed tiles x NB (1-2) blocks of 16 activation rows from m0 (rows past M are zeros): acc [2 t + b]
 // [16 rows][16 outputs] float32. Each block of ``sub`` inputs is one tile multiply per pair (signed activations x
@@ -424,10 +425,14 @@ void amx_tiles(const uint8_t* const* w, const S* const* scales, const S* const* 
       if constexpr (NB == 2) _tile_loadd(1, a.q.data() + (m0 + kAmxRows) * Kp + k, Kp);
       _tile_loadd(2, w[0] + k * 16, 64);
       if constexpr (NT == 2) _tile_loadd(3, w[1] + k * 16, 64);
-      HERON_TILE_MULTIPLY(4, 0, 2, next);
-      if constexpr (NB == 2) { HERON_TILE_MULTIPLY(5, 1, 2, next + kTileInts); }
-      if constexpr (NT == 2) { HERON_TILE_MULTIPLY(6, 0, 3, next + 2 * kTileInts); }
-      if constexpr (NT == 2 && NB == 2) { HERON_TILE_MULTIPLY(7, 1, 3, next + 3 * kTileInts); }
+      HERON_TILE_MULTIPLY(4, 0, 2);
+      if constexpr (NB == 2) { HERON_TILE_MULTIPLY(5, 1, 2); }
+      if constexpr (NT == 2) { HERON_TILE_MULTIPLY(6, 0, 3); }
+      if constexpr (NT == 2 && NB == 2) { HERON_TILE_MULTIPLY(7, 1, 3); }
+      _tile_stored(4, next, 64);
+      if constexpr (NB == 2) _tile_stored(5, next + kTileInts, 64);
+      if constexpr (NT == 2) _tile_stored(6, next + 2 * kTileInts, 64);
+      if constexpr (NT == 2 && NB == 2) _tile_stored(7, next + 3 * kTileInts, 64);
     }
     if (blk > 0) {
       const int64_t k = (blk - 1) * sub, g = k / G;

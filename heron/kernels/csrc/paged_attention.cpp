@@ -38,6 +38,8 @@
 #include <immintrin.h>
 #define HERON_BF16_PAIRS 1
 #endif
+#include <cstdlib>
+#include <string>
 
 #include <algorithm>
 #include <atomic>
@@ -350,9 +352,28 @@ MERGE_ATTRS void merge_state(float& M, float& L, float* __restrict A, float m, f
   M = nm;
 }
 
+// Whether bfloat16 scores take pair_scores here. VDPBF16PS retires two a cycle on AMD Zen 4, as many as FMAs,
+// so a pair (two multiply-adds) costs half a float32 FMA's; on Intel's cores (Sapphire Rapids and later) it
+// retires one every two cycles, a quarter of the FMA's rate, so the float32 form is twice as fast there
+// (docs/performance.md). HERON_BF16_PAIRS=0 / 1 overrides the choice.
+bool bf16_pairs_fast() {
+  static const bool fast = [] {
+    const char* setting = std::getenv("HERON_BF16_PAIRS");
+    if (setting != nullptr && std::string(setting) == "0") return false;
+    if (setting != nullptr && std::string(setting) == "1") return true;
+#if defined(__GNUC__) && defined(__x86_64__)
+    return __builtin_cpu_is("amd") != 0;
+#else
+    return false;
+#endif
+  }();
+  return fast;
+}
+
 // T: q's and the output's dtype; C: the pool's (T, or float8); DC: the head dim when fixed at compile time (0:
-// head_dim). scale: the softmax scale times k_scale, applied to the query; v_scale: applied with 1 / the sum.
-template <int64_t DC, typename T, typename C>
+// head_dim); PAIRS: bfloat16 scores from pairs where the types allow (bf16_pairs_fast). scale: the softmax scale
+// times k_scale, applied to the query; v_scale: applied with 1 / the sum.
+template <int64_t DC, bool PAIRS, typename T, typename C>
 void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_table, const int32_t* seq_lens,
             const int32_t* query_begin, const int32_t* query_end, T* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t table_width,
@@ -371,7 +392,7 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
 #if defined(HERON_BF16_PAIRS)
   constexpr bool pool_fp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
   constexpr bool pairs =
-      DC > 0 && std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || pool_fp8);
+      PAIRS && DC > 0 && std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || pool_fp8);
 #else
   constexpr bool pairs = false;
 #endif
@@ -638,12 +659,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const auto run = [&](const auto* cache) {
       const auto call = [&](auto head_dim) {
-        attend<decltype(head_dim)::value>(
-            q.data_ptr<scalar_t>(), q.stride(0), cache, block_table.data_ptr<int32_t>(),
-            seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
-            out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2),
-            kv_cache.size(2), kv_cache.size(1), block_table.size(1), static_cast<float>(scale * k_scale), window,
-            static_cast<float>(v_scale));
+        const auto with = [&](auto pairs) {
+          attend<decltype(head_dim)::value, decltype(pairs)::value>(
+              q.data_ptr<scalar_t>(), q.stride(0), cache, block_table.data_ptr<int32_t>(),
+              seq_lens.data_ptr<int32_t>(), query_begin.data_ptr<int32_t>(), query_end.data_ptr<int32_t>(),
+              out.data_ptr<scalar_t>(), seq_lens.size(0), q.size(1), kv_cache.size(3), q.size(2),
+              kv_cache.size(2), kv_cache.size(1), block_table.size(1), static_cast<float>(scale * k_scale), window,
+              static_cast<float>(v_scale));
+        };
+        if (bf16_pairs_fast()) {
+          with(std::true_type{});
+        } else {
+          with(std::false_type{});
+        }
       };
       if (q.size(2) == 64) {
         call(std::integral_constant<int64_t, 64>{});
