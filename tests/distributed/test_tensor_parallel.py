@@ -124,7 +124,7 @@ def test_embeddings_under_tp2(tiny_model_dir):
 @pytest.mark.parametrize("quantization", ["gguf", "none"])
 def test_default_model_in_three_ranks(quantization, smollm2_path):
     # SmolLM2-135M: 9 heads, 3 KV heads, so TP=3; its Q4_1 blocks are cut whole: rows, and columns at 32
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
     prompt = ["The capital of France is"]
     outs = []
     for tp in (1, 3):
@@ -134,13 +134,25 @@ def test_default_model_in_three_ranks(quantization, smollm2_path):
             outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
         finally:
             llm.engine.shutdown()
-    assert outs[0].token_ids == outs[1].token_ids and "Paris" in outs[0].text
-    lps = [[lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)] for o in outs]
+    assert all("Paris" in o.text for o in outs), [o.text for o in outs]
     # dense weights: only the order of float sums differs. GGUF: the kernel rounds activations to int8 per 32
     # inputs, and a sum order's last bit flips some roundings, which 30 layers amplify: scaling the embedding
     # by 1 + 1e-6 moves this prompt's logprobs by up to 0.1 at TP=1 (dense: not at all)
     atol = 0.3 if quantization == "gguf" else 1e-3
+    same = 0
+    while same < len(outs[0].token_ids) and outs[0].token_ids[same] == outs[1].token_ids[same]:
+        same += 1
+    lps = [[lp[t].logprob for t, lp in zip(o.token_ids[:same], o.logprobs, strict=False)] for o in outs]
     torch.testing.assert_close(torch.tensor(lps[1]), torch.tensor(lps[0]), atol=atol, rtol=0)
+    if same < len(outs[0].token_ids):
+        # greedy may part only at a near-tie, which those differences decide (on an Intel Xeon with AMX: token 5,
+        # its two candidates 0.002 nats apart at TP=1 and 0.015 at TP=3; identical on AMD Zen 4)
+        pair = {o.token_ids[same] for o in outs}
+        for o in outs:
+            step = o.logprobs[same]
+            assert pair <= step.keys(), (same, pair, step)
+            top, second = (step[t].logprob for t in pair)
+            assert abs(top - second) < atol, (same, step)
 
 
 def test_script_without_main_guard_is_told_why_its_ranks_die(tiny_model_dir, tmp_path):

@@ -20,7 +20,7 @@ from helpers import heron_logits
 from safetensors.torch import load_file, save_file
 
 from heron import LLM, SamplingParams
-from heron.attention.cpu_paged import kernel_takes_every_query
+from heron.attention.cpu_paged import kernel_takes
 from heron.errors import ModelLoadError
 from heron.kernels import cpu_kernels
 from heron.layers.linear import LinearBase, MergedLinear
@@ -175,12 +175,10 @@ def test_batched_greedy_equals_one_at_a_time(tiny_model_dir, method):
 @pytest.mark.skipif(not INT_KERNEL, reason="needs heron's CPU kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tokens_and_logprobs_do_not_depend_on_cache_chunks_or_batch(tiny_model_dir, dtype):
-    """Where every query goes through the paged kernel (float32; bfloat16 without AMX) and every product through
-    the integer kernel or the prompt copy's tile matmul, rows depend on their own position and input only: a
-    prompt computed alone in one chunk, or in a batch in chunks of a small token budget after its prefix was
-    cached, gives the same bits."""
-    if not kernel_takes_every_query(getattr(torch, dtype)):
-        pytest.skip("long bfloat16 prompt chunks take SDPA on this CPU (AMX)")
+    """Where every query goes through the paged kernel (float32; bfloat16 without AMX, and with AMX for sequences
+    of at most MAX_KERNEL_CONTEXT positions, as all of these) and every product through the integer kernel or the
+    prompt copy's tile matmul, rows depend on their own position and input only: a prompt computed alone in one
+    chunk, or in a batch in chunks of a small token budget after its prefix was cached, gives the same bits."""
     model = str(tiny_model_dir("llama"))
     common = {"block_size": 8, "dtype": dtype, "quantization": "int8"}
     alone = LLM(model, enable_prefix_caching=False, **common)
@@ -190,6 +188,7 @@ def test_tokens_and_logprobs_do_not_depend_on_cache_chunks_or_batch(tiny_model_d
     prompts = [{"prompt_token_ids": prefix + torch.randint(3, 300, (n,), generator=g).tolist()}
                for n in (18, 5, 30, 1)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    assert all(kernel_takes(len(p["prompt_token_ids"]), len(p["prompt_token_ids"]) + 10) for p in prompts)
 
     def run(llm, batch):
         return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
