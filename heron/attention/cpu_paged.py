@@ -47,7 +47,8 @@ def kernel_takes_every_query(dtype: torch.dtype) -> bool:
 
 
 class CpuPagedBackend(ReferenceBackend):
-    """The reference layout and prefill path, with decode/verification queries through the C++ kernel."""
+    """The reference layout, with queries through the C++ kernel (all of them, or on AMX CPUs in half precision
+    those ``kernel_takes``) and the other prefill chunks through the reference path."""
 
     name = "cpu_paged"
 

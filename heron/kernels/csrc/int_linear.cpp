@@ -398,10 +398,9 @@ void unpack_tile4(const uint8_t* w, int64_t Kp, uint8_t* out) {
   }
 }
 
-// Sums of packed tile t x row block b into register C = 4 + 2t + b (from A = b, B = 2 + t); stored to memory by
-// _tile_stored once every multiply of the block is issued, so that the stores wait on the tile unit's latency
-// once, not once per multiply. GCC's tile intrinsics paste the register numbers into the instruction text:
-// literal numbers only.
+// Sums of packed tile t x row block b into register C = 4 + 2t + b (from A = b, B = 2 + t); amx_tiles stores them
+// to memory later (a _tile_stored waits for its multiply). GCC's tile intrinsics paste the register numbers into
+// the instruction text: literal numbers only.
 #define HERON_TILE_MULTIPLY(C, A, B) \
   _tile_zero(C);                     \
   _tile_dpbsud(C, A, B)
@@ -410,7 +409,8 @@ void unpack_tile4(const uint8_t* w, int64_t Kp, uint8_t* out) {
 // [16 rows][16 outputs] float32. Each block of ``sub`` inputs is one tile multiply per pair (signed activations x
 // unsigned weights, 8-bit layout ``w[t]``) whose sums the float32 steps of tile_dot take in its order (the block's
 // scale, then at a group's end its min term), so every row gets tile_dot's bits. The float steps of a block run
-// while the tile unit multiplies the next one (sums double-buffered).
+// while the tile unit multiplies the next one, whose sums are stored only after them (sums double-buffered: a
+// store right after its multiply held the float steps back until the multiply was done).
 template <int NT, int NB, typename S>
 void amx_tiles(const uint8_t* const* w, const S* const* scales, const S* const* mins, int64_t Kp, int64_t G,
                const QuantizedActivations& a, int64_t m0, int32_t* sums, float* acc) {
@@ -429,10 +429,6 @@ void amx_tiles(const uint8_t* const* w, const S* const* scales, const S* const* 
       if constexpr (NB == 2) { HERON_TILE_MULTIPLY(5, 1, 2); }
       if constexpr (NT == 2) { HERON_TILE_MULTIPLY(6, 0, 3); }
       if constexpr (NT == 2 && NB == 2) { HERON_TILE_MULTIPLY(7, 1, 3); }
-      _tile_stored(4, next, 64);
-      if constexpr (NB == 2) _tile_stored(5, next + kTileInts, 64);
-      if constexpr (NT == 2) _tile_stored(6, next + 2 * kTileInts, 64);
-      if constexpr (NT == 2 && NB == 2) _tile_stored(7, next + 3 * kTileInts, 64);
     }
     if (blk > 0) {
       const int64_t k = (blk - 1) * sub, g = k / G;
@@ -454,6 +450,12 @@ void amx_tiles(const uint8_t* const* w, const S* const* scales, const S* const* 
           }
         }
       }
+    }
+    if (blk < blocks) {
+      _tile_stored(4, next, 64);
+      if constexpr (NB == 2) _tile_stored(5, next + kTileInts, 64);
+      if constexpr (NT == 2) _tile_stored(6, next + 2 * kTileInts, 64);
+      if constexpr (NT == 2 && NB == 2) _tile_stored(7, next + 3 * kTileInts, 64);
     }
     std::swap(next, done);
   }
