@@ -28,7 +28,7 @@ from heron.kernels import load_cpu_kernels
 
 MAX_KERNEL_QUERIES = 16
 # Where long chunks take SDPA: sequences up to this many positions still take the kernel. Prefill of 128-token
-# prompts measured 1.13x faster through the kernel on a Sapphire Rapids VM, of 256-token ones 0.88x
+# prompts measured 1.13x faster through the kernel on an Intel Xeon VM with AMX, of 256-token ones 0.88x
 # (docs/performance.md).
 MAX_KERNEL_CONTEXT = 192
 

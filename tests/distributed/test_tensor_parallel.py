@@ -151,8 +151,8 @@ def test_default_model_in_three_ranks(quantization, smollm2_path):
         for o in outs:
             step = o.logprobs[same]
             assert pair <= step.keys(), (same, pair, step)
-            top, second = (step[t].logprob for t in pair)
-            assert abs(top - second) < atol, (same, step)
+            first, other = (step[t].logprob for t in pair)
+            assert abs(first - other) < atol, (same, step)
 
 
 def test_script_without_main_guard_is_told_why_its_ranks_die(tiny_model_dir, tmp_path):

@@ -38,15 +38,15 @@
 #include <immintrin.h>
 #define HERON_BF16_PAIRS 1
 #endif
-#include <cstdlib>
-#include <string>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
