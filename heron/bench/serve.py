@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -95,6 +98,20 @@ def _session(limit: int | None) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, read_bufsize=8 << 20, trust_env=False)
 
 
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Keep the objects that exist before a timed run out of the garbage collector's full passes during it. This
+    process holds the tokenizer and its libraries' objects (millions of them): a full pass over them took 100-280
+    ms, several times a run, once it streamed tokens at 32 users (measured 2026-12-07), so the client stopped
+    reading its streams (TTFT and ITL inflated) and took a core from a server on the same machine."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def run_load(cfg: RequestConfig, requests: list[SampleRequest], shape: LoadShape, tokenizer=None,
                    progress: bool = True, desc: str = "benchmark") -> RunResult:
     """Send ``requests`` following ``shape``; never more than ``shape.max_concurrency`` at once. The server's
@@ -117,15 +134,16 @@ async def run_load(cfg: RequestConfig, requests: list[SampleRequest], shape: Loa
 
     async with _session(shape.max_concurrency) as session:
         counters_before = await scrape_spec_counters(session, cfg)
-        start = time.perf_counter()
-        tasks = []
-        for req, at in zip(requests, times, strict=True):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(session, req)))
-        records = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - start
+        with _frozen_heap():
+            start = time.perf_counter()
+            tasks = []
+            for req, at in zip(requests, times, strict=True):
+                delay = start + at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(session, req)))
+            records = list(await asyncio.gather(*tasks))
+            duration = time.perf_counter() - start
         counters_after = await scrape_spec_counters(session, cfg) if counters_before is not None else None
     bar.close()
     return RunResult(shape, records, duration, in_flight.peak, spec_decode_summary(counters_before, counters_after))
