@@ -101,9 +101,9 @@ def _session(limit: int | None) -> aiohttp.ClientSession:
 @contextlib.contextmanager
 def _frozen_heap() -> Iterator[None]:
     """Keep the objects that exist before a timed run out of the garbage collector's full passes during it. This
-    process holds the tokenizer and its libraries' objects (millions of them): a full pass over them took 100-280
-    ms, several times a run, once it streamed tokens at 32 users (measured 2026-12-07), so the client stopped
-    reading its streams (TTFT and ITL inflated) and took a core from a server on the same machine."""
+    process holds the tokenizer's and its libraries' objects: a full pass over them took 100-300 ms (one inside a
+    32-user run's timed window, 2026-12-07), during which the client read none of its streams and took a core
+    from a server on the same machine."""
     gc.collect()
     gc.freeze()
     try:
