@@ -1,11 +1,14 @@
 """heron's CPU paged-attention kernel on the default model's attention shape (9 query heads, 3 KV heads, head
 dim 64, blocks of 16), one layer's call, for the steps a server makes:
 
-    python -m benchmarks.bench_attention [--dtype auto --kv-cache-dtype auto --threads 1,2 --name attention]
+    python -m benchmarks.bench_attention [--dtype auto --kv-cache-dtype auto --threads 1,2 --layers 1
+                                          --name attention]
 
 decode of 1 and of 32 sequences, a verification step (5 queries over a context), prefill chunks over a cached
-prefix. Blocks are scattered over a pool larger than the caches, as a server's are. The best of a few timed
-runs per shape (the machine's capability, not its noise); results go to ``benchmarks/results/<name>.json``.
+prefix. Blocks are scattered over a pool larger than the caches, as a server's are. With ``--layers 30`` each
+call is one of a step's 30 layers, each with its own pool, so the keys and values come from memory as a served
+step's do (one layer's pool stays in the L3 cache). The best of a few timed runs per shape (the machine's
+capability, not its noise); results go to ``benchmarks/results/<name>.json``.
 """
 
 from __future__ import annotations
@@ -33,18 +36,27 @@ STEPS = {
 
 
 def attention_call(kernels, sequences: int, context: int, queries: int, dtype: torch.dtype,
-                   pool_dtype: torch.dtype):
-    """One layer's kernel call over ``sequences`` caches of ``context`` positions in scattered blocks (a pool
-    of ``pool_dtype``: ``dtype``, or float8)."""
+                   pool_dtype: torch.dtype, layers: int = 1):
+    """A step's kernel calls, one per layer, each over ``sequences`` caches of ``context`` positions in scattered
+    blocks of the layer's own pool (of ``pool_dtype``: ``dtype``, or float8)."""
     g = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
-    pool = torch.randn(2, 2 * sequences * per_seq, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(pool_dtype)
-    blocks = torch.randperm(pool.shape[1], generator=g)[: sequences * per_seq]
-    table = blocks.view(sequences, per_seq).to(torch.int32)
     q = torch.randn(sequences * queries, HEADS, HEAD_DIM, generator=g).to(dtype)
     lens = torch.full((sequences,), context, dtype=torch.int32)
     begin = torch.arange(sequences, dtype=torch.int32) * queries
-    return partial(kernels.paged_attention, q, pool, table, lens, begin, begin + queries, HEAD_DIM**-0.5, 0)
+    calls = []
+    for _ in range(layers):
+        pool = torch.randn(2, 2 * sequences * per_seq, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(pool_dtype)
+        blocks = torch.randperm(pool.shape[1], generator=g)[: sequences * per_seq]
+        table = blocks.view(sequences, per_seq).to(torch.int32)
+        calls.append(partial(kernels.paged_attention, q, pool, table, lens, begin, begin + queries, HEAD_DIM**-0.5,
+                             0))
+
+    def step() -> None:
+        for call in calls:
+            call()
+
+    return step
 
 
 def main() -> None:
@@ -54,6 +66,9 @@ def main() -> None:
                         help="the pool's dtype (auto: the queries')")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=1,
+                        help="layers of a step, each with its own pool, called in turn (30: the pools come from "
+                             "memory, as a served step's do; 1: they stay in the cache)")
     parser.add_argument("--name", default="attention", help="the result file's name")
     args = parser.parse_args()
     kernels = load_cpu_kernels()
@@ -63,18 +78,18 @@ def main() -> None:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for name, (sequences, context, queries) in STEPS.items():
-            call = attention_call(kernels, sequences, context, queries, dtype, pool_dtype)
-            calls = max(1, 20_000 // (sequences * context * queries) ** 0.5 // 1)
+            step = attention_call(kernels, sequences, context, queries, dtype, pool_dtype, args.layers)
+            calls = max(1, int(20_000 // (sequences * context * queries) ** 0.5 / args.layers))
 
-            def timed(call=call, calls=int(calls)) -> None:
+            def timed(step=step, calls=calls) -> None:
                 for _ in range(calls):
-                    call()
+                    step()
 
-            us = best_seconds(timed, args.repeats) / calls * 1e6
+            us = best_seconds(timed, args.repeats) / (calls * args.layers) * 1e6
             results.append({"step": name, "threads": threads, "us_per_call": us})
             print(f"{threads} threads  {name:48s} {us:9.1f} us", flush=True)
     save(args.name, {"dtype": str(dtype), "kv_cache_dtype": str(pool_dtype), "heads": HEADS, "kv_heads": KV_HEADS,
-                     "head_dim": HEAD_DIM, "block_size": BLOCK, "results": results})
+                     "head_dim": HEAD_DIM, "block_size": BLOCK, "layers": args.layers, "results": results})
 
 
 if __name__ == "__main__":

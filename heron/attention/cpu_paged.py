@@ -25,6 +25,7 @@ from heron.attention.backend import AttentionMetadata
 from heron.attention.reference import ReferenceBackend, _Group
 from heron.cpu import cpu_flags
 from heron.kernels import load_cpu_kernels
+from heron.quantization.kv import dequantize_kv
 
 MAX_KERNEL_QUERIES = 16
 # Where long chunks take SDPA: sequences up to this many positions still take the kernel. Prefill of 128-token
@@ -47,13 +48,24 @@ def kernel_takes_every_query(dtype: torch.dtype) -> bool:
 
 
 class CpuPagedBackend(ReferenceBackend):
-    """The reference layout, with queries through the C++ kernel (all of them, or on AMX CPUs in half precision
-    those ``kernel_takes``) and the other prefill chunks through the reference path."""
+    """Queries through the C++ kernel (all of them, or on AMX CPUs in half precision those ``kernel_takes``),
+    the other prefill chunks through the reference path. Its pool is head-major, ``[2, num_blocks, kv_heads,
+    block_size, head_dim]``: a KV head's positions of a block lie together, so the kernel reads a tile of one
+    head as one run of memory instead of a slice of every position's row."""
 
     name = "cpu_paged"
 
     def __init__(self) -> None:
         self.kernel = load_cpu_kernels()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, num_kv_heads, block_size, head_dim)
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        b, nb = table.shape
+        ctx = cache[table].transpose(1, 2).reshape(b, cache.shape[1], nb * cache.shape[2], cache.shape[3])
+        return dequantize_kv(ctx, dtype, scale)  # [B, kv_heads, L, dim]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         takes = [kernel_takes(q, n) for q, n in zip(meta.query_lens, meta.context_lens, strict=True)]

@@ -30,6 +30,12 @@ def dense_attention(q, k, v, window):
     return out.transpose(0, 1)
 
 
+def by_slot(pool: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    """A pool's keys and values by slot, ``[2, slots, kv_heads, dim]``, in either backend's layout (the CPU
+    kernel's pool is head-major, ``[2, blocks, kv_heads, block_size, dim]``)."""
+    return (pool.transpose(2, 3) if backend.name == "cpu_paged" else pool).flatten(1, 2)
+
+
 # (context already cached, new query tokens): a chunk over a cached prefix, decodes, verification queries,
 # a fresh prompt, a chunk of more queries than the CPU kernel takes (the prefill path)
 STEP = [(12, 9), (7, 1), (30, 1), (17, 5), (0, 6), (21, 1), (5, 20)]

@@ -25,7 +25,7 @@ from heron.quantization.kv import (
 )
 
 from ..server.conftest import ServerProcess
-from .test_backends import BLOCK, DIM, KV_HEADS, mixed_step
+from .test_backends import BLOCK, DIM, KV_HEADS, by_slot, mixed_step
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # half a unit in the last place, relative (3 and 2 mantissa bits), and half the smallest subnormal
@@ -78,10 +78,12 @@ def test_the_kernels_store_writes_the_bytes_of_the_pytorch_form(dtype, activatio
     scales = KVScales(0.37, 0.05)
     pools = []
     for name in ("reference", "cpu_paged"):
-        pools.append(torch.zeros(2, 12, BLOCK, KV_HEADS, DIM, dtype=dtype))
-        layer_backend(name, scales).store_kv(pools[-1], k, v, slots)
+        backend = layer_backend(name, scales)
+        pool = torch.zeros(backend.kv_cache_shape(12, BLOCK, KV_HEADS, DIM), dtype=dtype)
+        backend.store_kv(pool, k, v, slots)
+        pools.append(by_slot(pool, backend))
     assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
-    stored = pools[1].flatten(1, 2)[:, slots]
+    stored = pools[1][:, slots]
     assert stored[0, 0, 0, :2].float().tolist() == [torch.finfo(dtype).max, torch.finfo(dtype).min]
     assert_within_precision(dequantize_kv(stored[1], torch.float32, scales.v), v, dtype, scales.v)
 
@@ -94,7 +96,7 @@ def test_the_kernel_reads_every_float8_code_as_torch_does(dtype, dim):
     """One position per sequence: attention returns its value row, i.e. the pool's codes as the kernel reads
     them (NaN codes included)."""
     num_seqs = -(-256 // (KV_HEADS * dim))
-    pool = torch.zeros(2, num_seqs, 1, KV_HEADS, dim, dtype=dtype)
+    pool = torch.zeros(2, num_seqs, KV_HEADS, 1, dim, dtype=dtype)
     codes = torch.arange(256, dtype=torch.uint8).repeat(2)[:pool[1].numel()]
     pool[1].view(torch.uint8).copy_(codes.view(pool[1].shape))
     rows = torch.arange(num_seqs, dtype=torch.int32)
@@ -116,9 +118,9 @@ def test_bfloat16_queries_score_every_finite_float8_key_code_at_head_dim_64(dtyp
     # one bfloat16 query element per sequence, so that code c scores about +-2 (code 0 scores 0)
     q = torch.where(keys == 0, 1.0, 2.0 / (keys.abs().clamp(min=1e-30) * dim)).to(torch.bfloat16)
     n = len(codes)
-    pool = torch.zeros(2, n, 2, 1, dim, dtype=dtype)
-    pool[0].view(torch.uint8)[:, 0] = codes.view(n, 1, 1)
-    pool[1][:, 0] = 1.0
+    pool = torch.zeros(2, n, 1, 2, dim, dtype=dtype)  # [2, blocks, kv_heads, block_size, dim]
+    pool[0].view(torch.uint8)[:, 0, 0] = codes.view(n, 1)
+    pool[1][:, 0, 0] = 1.0
     rows = torch.arange(n, dtype=torch.int32)
     out = cpu_kernels().paged_attention(q.view(n, 1, 1).expand(n, 1, dim).contiguous(), pool, rows.view(-1, 1),
                                         torch.full_like(rows, 2), rows, rows + 1, 1.0, 0)
@@ -132,19 +134,19 @@ def test_calculated_scales_are_set_by_the_first_batch_each_layer_stores(backend_
     g = torch.Generator().manual_seed(2)
     shared = get_attention_backend(backend_name)
     first, other = shared.for_layer(calculate_kv_scales=True), shared.for_layer(calculate_kv_scales=True)
-    pool = torch.zeros(2, 8, BLOCK, KV_HEADS, DIM, dtype=torch.float8_e4m3fn)
+    pool = torch.zeros(shared.kv_cache_shape(8, BLOCK, KV_HEADS, DIM), dtype=torch.float8_e4m3fn)
     k, v = 3 * torch.randn(5, KV_HEADS, DIM, generator=g), 0.5 * torch.randn(5, KV_HEADS, DIM, generator=g)
     first.store_kv(pool, k, v, torch.arange(5))
     scales = KVScales(k.abs().max().item() / K_SCALE_CONSTANT, v.abs().max().item() / V_SCALE_CONSTANT)
     assert first.kv_scales == scales  # vLLM's calc_kv_scales
     assert other.kv_scales == shared.kv_scales == KVScales()  # each layer has its own
     # the first batch lands well inside the range: it comes back within the format's precision
-    stored = pool.flatten(1, 2)[:, :5]
+    stored = by_slot(pool, shared)[:, :5]
     assert_within_precision(dequantize_kv(stored[0], torch.float32, scales.k), k, torch.float8_e4m3fn, scales.k)
     # later batches keep the scales; a key beyond 448 x k_scale saturates
     first.store_kv(pool, 10 * k, v, torch.arange(5, 10))
     assert first.kv_scales == scales
-    assert pool.flatten(1, 2)[0, 5:10].float().abs().max() == 448
+    assert by_slot(pool, shared)[0, 5:10].float().abs().max() == 448
     other.store_kv(pool, torch.zeros_like(k), torch.zeros_like(v), torch.arange(10, 15))
     assert other.kv_scales == KVScales()  # all zeros: no scale to take, 1.0 kept
 
@@ -154,17 +156,16 @@ def test_calculated_scales_are_set_by_the_first_batch_each_layer_stores(backend_
 @pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("scales", [KVScales(), KVScales(0.004, 0.03)], ids=["unit", "scaled"])
-def test_cpu_paged_kernel_equals_the_reference_backend_on_one_fp8_pool(dtype, activations, window, scales):
+def test_cpu_paged_equals_the_reference_backend_on_the_same_fp8_contents(dtype, activations, window, scales):
     """Decodes, verification queries, prefill chunks over a cached prefix, GQA, windows; with k_scale 0.004 the
     larger keys saturate, and both backends must read back the same saturated values."""
-    reference, paged = layer_backend("reference", scales), layer_backend("cpu_paged", scales)
-    pool = torch.zeros(reference.kv_cache_shape(64, BLOCK, KV_HEADS, DIM), dtype=dtype)
-    step = mixed_step(reference, pool, activations)
     outs, pools = [], []
-    for backend in (reference, paged):
-        pools.append(pool.clone())
+    for backend in (layer_backend("reference", scales), layer_backend("cpu_paged", scales)):
+        pool = torch.zeros(backend.kv_cache_shape(64, BLOCK, KV_HEADS, DIM), dtype=dtype)
+        step = mixed_step(backend, pool, activations)  # the same step for both: the same seed
         backend.prepare(step.meta)
-        outs.append(backend.forward(step.q, step.k, step.v, pools[-1], step.meta, window))
+        outs.append(backend.forward(step.q, step.k, step.v, pool, step.meta, window))
+        pools.append(by_slot(pool, backend))
     assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
     expected = step.dense(window, [through_pool(k, dtype, scales.k) for k in step.keys],
                           [through_pool(v, dtype, scales.v) for v in step.values])

@@ -19,6 +19,12 @@ from .test_backends import dense_attention
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="heron's CPU kernels cannot be built here")
 
 
+def head_major(pool: torch.Tensor) -> torch.Tensor:
+    """A pool built by slot, ``[2, blocks, block_size, kv_heads, dim]``, in the kernel's head-major layout,
+    ``[2, blocks, kv_heads, block_size, dim]``."""
+    return pool.transpose(2, 3).contiguous()
+
+
 def attend(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block: int, dtype: torch.dtype,
            window: int | None, pool_dtype: torch.dtype | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
            seed: int = 0, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +52,8 @@ def attend(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, blo
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     lens = torch.tensor([length for length, _ in seqs], dtype=torch.int32)
     starts = torch.tensor([0, *torch.tensor([new for _, new in seqs]).cumsum(0).tolist()], dtype=torch.int32)
-    out = cpu_kernels().paged_attention(torch.cat(queries), pool, block_table, lens, starts[:-1], starts[1:],
-                                        dim**-0.5, window or 0, k_scale, v_scale)
+    out = cpu_kernels().paged_attention(torch.cat(queries), head_major(pool), block_table, lens, starts[:-1],
+                                        starts[1:], dim**-0.5, window or 0, k_scale, v_scale)
     return out, torch.cat(expected)
 
 
@@ -142,11 +148,21 @@ def test_a_sequence_without_queries_is_skipped():
     q = torch.randn(3, 9, 64, generator=g)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     lens = torch.tensor([20, 30], dtype=torch.int32)
-    out = cpu_kernels().paged_attention(q, pool, table, lens, torch.tensor([0, 1], dtype=torch.int32),
+    out = cpu_kernels().paged_attention(q, head_major(pool), table, lens, torch.tensor([0, 1], dtype=torch.int32),
                                         torch.tensor([1, 1], dtype=torch.int32), 0.125, 0)
     k = pool[0].reshape(-1, 3, 64)[:20]
     v = pool[1].reshape(-1, 3, 64)[:20]
     torch.testing.assert_close(out[:1], dense_attention(q[:1], k, v, None), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_a_pool_that_does_not_fit_the_queries_is_an_error():
+    q = torch.randn(1, 9, 64)
+    table, lens, begin = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                          torch.zeros(1, dtype=torch.int32))
+    for pool in (torch.zeros(2, 4, 2, 16, 64), torch.zeros(2, 4, 3, 16, 32), torch.zeros(4, 16, 3, 64)):
+        with pytest.raises(RuntimeError, match="a pool"):
+            cpu_kernels().paged_attention(q, pool, table, lens, begin, begin + 1, 0.125, 0, 1.0, 1.0)
 
 
 def run_kernel(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 16) -> list[torch.Tensor]:
@@ -165,8 +181,8 @@ def run_kernel(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bloc
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     lens = torch.tensor([len(k) for k, _, _ in seqs], dtype=torch.int32)
     starts = torch.tensor([0, *torch.tensor([len(q) for _, _, q in seqs]).cumsum(0).tolist()], dtype=torch.int32)
-    out = cpu_kernels().paged_attention(torch.cat([q for _, _, q in seqs]), pool, table, lens, starts[:-1],
-                                        starts[1:], dim**-0.5, 0, 1.0, 1.0)
+    out = cpu_kernels().paged_attention(torch.cat([q for _, _, q in seqs]), head_major(pool), table, lens,
+                                        starts[:-1], starts[1:], dim**-0.5, 0, 1.0, 1.0)
     return list(out.split([len(q) for _, _, q in seqs]))
 
 
@@ -206,6 +222,7 @@ def test_a_query_row_is_bitwise_the_same_across_threads_windows_and_prefill_chun
     slots = table.long()[torch.arange(length) // block] * block + torch.arange(length) % block
     pool[0].view(-1, 3, 64)[slots] = k
     pool[1].view(-1, 3, 64)[slots] = v
+    pool = head_major(pool)
 
     def run(steps: list[tuple[int, int]], threads: int) -> list[torch.Tensor]:
         """(sequence length, new queries) per sequence, all of them over the same blocks."""

@@ -131,11 +131,11 @@ def test_silu_and_mul_matches_the_pytorch_form(dtype):
 
 @needs_kernels
 def test_store_kv_writes_strided_rows_into_their_slots_and_skips_negative_ones():
-    cache = torch.zeros(2, 3, 4, 2, 8)  # [2, blocks, block_size, kv_heads, dim]
+    cache = torch.zeros(2, 3, 2, 4, 8)  # [2, blocks, kv_heads, block_size, dim]
     fused = torch.randn(3, 3 * 16)
     k, v = fused[:, 16:32].view(3, 2, 8), fused[:, 32:].view(3, 2, 8)
     kernels.store_kv(k, v, cache, torch.tensor([5, -1, 11]))
-    flat = cache.flatten(1, 2)
+    flat = cache.transpose(2, 3).flatten(1, 2)  # [2, slots, kv_heads, dim]
     assert torch.equal(flat[0, 5], k[0]) and torch.equal(flat[1, 11], v[2])
     assert flat[:, [i for i in range(12) if i not in (5, 11)]].abs().sum() == 0
     with pytest.raises(RuntimeError, match="slot out of range"):

@@ -234,8 +234,8 @@ void quantize_kv_row(const T* src, F8* dst, int64_t n, float scale, float* buf) 
 }  // namespace
 
 // Writes this step's keys and values [T, KVH, D] (strided rows allowed) into slots of the paged pool
-// [2, NB, BS, KVH, D]; a negative slot skips the token. A pool of k's dtype gets a copy; a float8 pool (an fp8
-// KV cache) gets k / k_scale and v / v_scale.
+// [2, NB, KVH, BS, D] (slot s: position s % BS of block s / BS); a negative slot skips the token. A pool of k's
+// dtype gets a copy; a float8 pool (an fp8 KV cache) gets k / k_scale and v / v_scale.
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slots, double k_scale,
               double v_scale) {
   check_cpu(kv_cache, "kv_cache");
@@ -244,20 +244,26 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::T
   TORCH_CHECK((quantize || pool == k.scalar_type()) && v.scalar_type() == k.scalar_type() &&
               kv_cache.is_contiguous() && slots.scalar_type() == at::kLong && k.stride(2) == 1 &&
               k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2), "store_kv: layouts");
-  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == KVH && kv_cache.size(4) == D,
+              "store_kv: the pool's KV heads and head dim must be k's");
+  const int64_t BS = kv_cache.size(3), num_slots = kv_cache.size(1) * BS, value_offset = num_slots * KVH * D;
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] < num_slots, "store_kv: slot out of range");
+  // where head h of slot s lies, in elements from the pool's keys (its value: value_offset further)
+  const auto place = [&](int64_t s, int64_t h) { return ((s / BS) * KVH + h) * BS * D + s % BS * D; };
   if (!quantize) {
     const int64_t elem = kv_cache.element_size();
-    char* key_base = static_cast<char*>(kv_cache.data_ptr());
-    char* value_base = key_base + num_slots * row * elem;
+    char* base = static_cast<char*>(kv_cache.data_ptr());
     const char* kp = static_cast<const char*>(k.data_ptr());
     const char* vp = static_cast<const char*>(v.data_ptr());
     for (int64_t t = 0; t < T; ++t) {
       if (slot[t] < 0) continue;
-      std::memcpy(key_base + slot[t] * row * elem, kp + t * k.stride(0) * elem, row * elem);
-      std::memcpy(value_base + slot[t] * row * elem, vp + t * v.stride(0) * elem, row * elem);
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t at = place(slot[t], h);
+        std::memcpy(base + at * elem, kp + (t * k.stride(0) + h * D) * elem, D * elem);
+        std::memcpy(base + (value_offset + at) * elem, vp + (t * v.stride(0) + h * D) * elem, D * elem);
+      }
     }
     return;
   }
@@ -265,15 +271,18 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::T
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     const auto write = [&](auto* keys) {  // keys: the pool's first half, values follow
-      auto* values = keys + num_slots * row;
+      auto* values = keys + value_offset;
       // a long prefill chunk is thousands of rows, each converted element by element: split them over threads,
       // but only past ~64K elements a thread (a decode batch's rows cost less than a parallel region)
-      at::parallel_for(0, T, std::max<int64_t>(1, (int64_t{1} << 16) / row), [&](int64_t begin, int64_t end) {
-        std::vector<float> buf(row);
+      at::parallel_for(0, T, std::max<int64_t>(1, (int64_t{1} << 16) / (KVH * D)), [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(D);
         for (int64_t t = begin; t < end; ++t) {
           if (slot[t] < 0) continue;
-          quantize_kv_row(kp + t * k.stride(0), keys + slot[t] * row, row, static_cast<float>(k_scale), buf.data());
-          quantize_kv_row(vp + t * v.stride(0), values + slot[t] * row, row, static_cast<float>(v_scale), buf.data());
+          for (int64_t h = 0; h < KVH; ++h) {
+            const int64_t at = place(slot[t], h);
+            quantize_kv_row(kp + t * k.stride(0) + h * D, keys + at, D, static_cast<float>(k_scale), buf.data());
+            quantize_kv_row(vp + t * v.stride(0) + h * D, values + at, D, static_cast<float>(v_scale), buf.data());
+          }
         }
       });
     };
