@@ -3,8 +3,8 @@
 The extension (``csrc/*.cpp``) holds the paged-attention kernel, the fused small ops of a decoder layer
 (residual + RMSNorm, RoPE, SwiGLU, the KV-pool write), a bfloat16 one-row matmul, the integer-weight matmul, an
 bfloat16 matmul whose rows do not depend on their batch (AMX tiles or AVX-512 BF16), and the decoder stack that runs a model's layers from them in one call (heron/model/decoder_stack.py). It is compiled for this
-CPU (``-march=native``) and cached under heron's cache directory, keyed by the sources, torch's version and the
-CPU's flags. Where it cannot be built (no compiler) ``cpu_kernels()`` is None after one warning and the layers
+CPU (``-march=native``) and cached under heron's cache directory, keyed by the sources, their directory, torch's
+version and the CPU's flags. Where it cannot be built (no compiler) ``cpu_kernels()`` is None after one warning and the layers
 use their PyTorch form; ``HERON_CPU_KERNELS=0`` forces that form (to compare against it).
 """
 
@@ -31,18 +31,27 @@ _SOURCES = sorted(_CSRC.glob("*.cpp"))
 _CFLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 
 
+def build_dir_of(csrc: Path) -> Path:
+    """Where the extension of the sources in ``csrc`` is built: keyed by their bytes, their directory, torch's
+    version and this CPU's flags. The directory too, because torch rebuilds a build directory whose include path
+    changed: two checkouts of the same sources sharing one would rebuild it each time the other loads it
+    (minutes, under the build lock)."""
+    from heron.model.default_model import heron_cache_dir
+
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags()) + _CFLAGS).encode())
+    digest.update(str(csrc).encode())
+    for source in sorted(csrc.glob("*.[ch]*")):  # the headers too
+        digest.update(source.read_bytes())
+    return heron_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
+
+
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernels() -> ModuleType:
     """The compiled extension (built once per source, torch version and CPU; then loaded from the cache).
     Raises when it cannot be built."""
     from torch.utils.cpp_extension import load
 
-    from heron.model.default_model import heron_cache_dir
-
-    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags()) + _CFLAGS).encode())
-    for source in sorted(_CSRC.glob("*.[ch]*")):  # the headers too
-        digest.update(source.read_bytes())
-    build_dir = heron_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
+    build_dir = build_dir_of(_CSRC)
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading heron's CPU kernels (compiled into %s on first use)", build_dir)
     # torch's own build lock is a file that waits forever once a process dies holding it (a server killed while

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from heron.kernels import cpu_kernels, load_cpu_kernels
+from heron.kernels import _CSRC, build_dir_of, cpu_kernels, load_cpu_kernels
 from heron.layers.activation import SiluAndMul
 from heron.layers.norm import RMSNorm
 from heron.layers.rotary import RopeInputs, RotaryEmbedding
@@ -56,7 +56,7 @@ def test_kernels_compile_for_every_x86_level(arch):
     AVX2-only hosts neither). Compile each source for each level, without code generation."""
     from torch.utils.cpp_extension import include_paths
 
-    from heron.kernels import _CSRC, _SOURCES
+    from heron.kernels import _SOURCES
 
     includes = [f"-I{_CSRC}", f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in include_paths())]
     compiles = {source.name: subprocess.Popen(
@@ -77,6 +77,18 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     subprocess.run([sys.executable, "-c", "from heron.kernels import load_cpu_kernels; load_cpu_kernels()"],
                    check=True, timeout=180)
     assert not (build_dir / "lock").exists()
+
+
+def test_the_same_sources_in_another_checkout_build_apart(tmp_path):
+    """torch rebuilds a build directory whose include path changed: two checkouts sharing one would rebuild it
+    each time the other loaded it. Each gets its own; a changed source gets another one too."""
+    other = tmp_path / "csrc"
+    shutil.copytree(_CSRC, other)
+    assert build_dir_of(other) != build_dir_of(_CSRC)
+    assert build_dir_of(other) == build_dir_of(other)
+    first = build_dir_of(other)
+    (other / "cpu_ops.cpp").write_text((other / "cpu_ops.cpp").read_text() + "\n// changed\n")
+    assert build_dir_of(other) != first
 
 
 def tolerance(dtype: torch.dtype) -> dict:
