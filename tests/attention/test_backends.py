@@ -122,3 +122,19 @@ def test_cpu_paged_long_chunks_do_not_depend_on_their_companions():
                                   meta.query_lens[b:b + 1], meta.context_lens[b:b + 1], BLOCK)
         backend.prepare(alone)
         assert torch.equal(backend.forward(step.q[rows], step.k[rows], step.v[rows], cache, alone), together[rows])
+
+
+def test_cpu_paged_long_chunks_gather_from_its_head_major_pool(monkeypatch):
+    """Where the CPU has AMX, long bfloat16 prefill chunks of long sequences take gather + SDPA out of the
+    kernel's head-major pool (``CpuPagedBackend._gather``): forced here whatever the CPU, against dense attention."""
+    import heron.attention.cpu_paged as cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "cpu_flags", lambda: frozenset({"amx_tile", "amx_bf16"}))
+    backend = get_attention_backend("cpu_paged")
+    cache = torch.zeros(backend.kv_cache_shape(128, BLOCK, KV_HEADS, DIM), dtype=torch.bfloat16)
+    # a chunk of 30 queries over 180 cached positions (longer than the kernel's share), a decode, a short prompt
+    step = mixed_step(backend, cache, torch.bfloat16, shape=[(180, 30), (30, 1), (0, 40)])
+    backend.prepare(step.meta)
+    assert step.meta.backend_data["long"] == [0]
+    out = backend.forward(step.q, step.k, step.v, cache, step.meta)
+    torch.testing.assert_close(out.float(), step.dense(None), atol=2e-2, rtol=2e-2)
