@@ -12,7 +12,7 @@ The model builds a stack once loaded (``LlamaForCausalLM.build_decoder_stack``) 
   weights, and dense ones with or without a oneDNN copy).
 A step then goes through it when every attention layer attends through the CPU paged kernel for every query
 (the cpu_paged backend, with its float8 scales already set) and in the model's dtype, and, where integer layers
-keep a bfloat16 copy for prompt tokens (heron/quantization/packed_int.py), when it holds no prompt tokens. ``HERON_DECODER_STACK=0``
+keep a copy for prompt tokens (heron/quantization/packed_int.py), when it holds no prompt tokens. ``HERON_DECODER_STACK=0``
 turns it off, to compare against the per-op form.
 """
 

@@ -15,14 +15,20 @@ reference the kernel is tested against.
 Where the CPU has AMX and the model computes in bfloat16, a layer also keeps its weight dequantized to bfloat16
 in the tile layout of heron's bfloat16 matmul (``prompt_weight``, ``kernels.tile_linear``) for a step's prompt
 rows (heron/layers/prompt_rows.py): AMX's bfloat16 tiles multiply many rows several times faster than the integer
-kernel, which wins at a few rows (it reads a quarter of the bytes): generated tokens keep it. Without AMX the
-integer kernel's VNNI loop is the faster at every row count (Zen 4: 1.1x tile_linear's AVX-512 BF16 vectors at 32
-to 512 rows), so there is no copy unless ``HERON_PROMPT_WEIGHTS=1`` asks for one. Each of tile_linear's outputs is
-one float32 sum in a fixed order, so a row's result is the same whatever its batch, chunking or prefix-cache hits
-(tested), with all of a step's prompt rows in one call (oneDNN's GEMM, whose blocking and so a row's last bits
-follow the number of rows, needed calls of a fixed size, the last one padded: 2.5x slower at 512 rows). The copy
-costs the memory of a bfloat16 model; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves it out, and
-every row takes the integer kernel.
+kernel, which wins at a few rows (it reads a quarter of the bytes): generated tokens keep it. Each of
+tile_linear's outputs is one float32 sum in a fixed order, so a row's result is the same whatever its batch,
+chunking or prefix-cache hits (tested), with all of a step's prompt rows in one call (oneDNN's GEMM, whose
+blocking and so a row's last bits follow the number of rows, needed calls of a fixed size, the last one padded:
+2.5x slower at 512 rows). The copy costs the memory of a bfloat16 model.
+
+Without AMX but with AVX-512 VNNI (AMD Zen 4 and 5) the integer kernel's VNNI loop beats tile_linear's AVX-512 BF16
+vectors at every row count, but a block format's float epilogue (a scale and a min per 32 weights) takes ~30% of
+its ``VPDPBUSD`` rate (``benchmarks/bench_dot_peak.py``). There prompt rows take an 8-bit copy with one scale and
+min per output row instead (``row_scale_copy``, ``kernels.int_linear_row_scale``: per 32 inputs a convert and one
+FMA): 1.15-1.2x the multiply-adds per second of the 4-bit layout at 512 rows, the same arithmetic for every row
+count. It costs 8 bits a weight (+102 MiB for the default model). ``HERON_PROMPT_WEIGHTS=1`` asks for the bfloat16
+copy instead wherever tile_linear runs; ``HERON_PROMPT_WEIGHTS=0`` (or too little free memory) leaves either out,
+and every row takes the integer kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from torch import nn
 from heron.cpu import cpu_flags
 from heron.kernels import cpu_kernels, kernels_for
 from heron.layers.prompt_rows import current_rows
-from heron.quantization.base import QuantizationMethod, tile_kernel, tile_packed
+from heron.quantization.base import QuantizationMethod, copy_fits, tile_kernel, tile_packed
 
 ROWS = 16  # output rows per packed tile: one AVX-512 register of int32 lanes
 ACT_BLOCK = 32  # inputs per activation quantization block (the kernel's int8 x; as llama.cpp's q8 blocks)
@@ -169,8 +175,11 @@ def _untile_rows(t: torch.Tensor) -> torch.Tensor:
     return t.float().transpose(1, 2).reshape(-1, t.shape[1])
 
 
+PromptWeight = torch.Tensor | PackedInt  # tile_linear's bfloat16 copy, or an 8-bit copy with a scale per row
+
+
 def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None,
-           prompt_weight: torch.Tensor | None = None) -> torch.Tensor:
+           prompt_weight: PromptWeight | None = None) -> torch.Tensor:
     """``x W^T + bias`` for a packed integer W: heron's kernel on the CPU (each row's result is the same in any
     batch), except a step's prompt rows where W has a ``prompt_weight`` (``prompt_linear``); W dequantized to
     x's dtype for a dense matmul without the kernels (no compiler, another device)."""
@@ -182,25 +191,50 @@ def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None,
         return kernels.int_linear(x.contiguous(), packed.qweight, packed.scales, packed.mins, packed.bits,
                                   packed.group, packed.n, bias)
     if rows.other is None:
-        return kernels.tile_linear(x, prompt_weight, bias, packed.n)
+        return prompt_linear(kernels, x, prompt_weight, bias, packed.n)
     out = x.new_empty(x.shape[0], packed.n)
     out[rows.other] = kernels.int_linear(x[rows.other], packed.qweight, packed.scales, packed.mins, packed.bits,
                                          packed.group, packed.n, bias)
-    out[rows.prompt] = kernels.tile_linear(x[rows.prompt], prompt_weight, bias, packed.n)
+    out[rows.prompt] = prompt_linear(kernels, x[rows.prompt], prompt_weight, bias, packed.n)
     return out
 
 
-def prompt_weight_of(packed: PackedInt, dtype: torch.dtype) -> torch.Tensor | None:
-    """``packed`` dequantized to bfloat16 in ``tile_linear``'s layout, for prompt rows (see the module
-    docstring), where the model computes in bfloat16, ``tile_packed`` has the tiles and the memory, and they are
-    AMX's (or ``HERON_PROMPT_WEIGHTS=1``); else None."""
+def prompt_linear(kernels: ModuleType, x: torch.Tensor, prompt_weight: PromptWeight, bias: torch.Tensor | None,
+                  n: int) -> torch.Tensor:
+    """Prompt rows ``x`` through a layer's prompt copy: tile_linear's bfloat16 one, or the 8-bit one."""
+    if isinstance(prompt_weight, PackedInt):
+        return kernels.int_linear_row_scale(x.contiguous(), prompt_weight.qweight, prompt_weight.scales,
+                                            prompt_weight.mins, n, bias)
+    return kernels.tile_linear(x, prompt_weight, bias, n)
+
+
+def prompt_weight_of(packed: PackedInt, dtype: torch.dtype) -> PromptWeight | None:
+    """The copy of ``packed`` a step's prompt rows go through (see the module docstring), where the model computes
+    in bfloat16 and the copy fits in memory: dequantized to bfloat16 in ``tile_linear``'s layout where the CPU has
+    AMX (or ``HERON_PROMPT_WEIGHTS=1``); else in 8 bits with one scale per output row (``row_scale_copy``) where
+    it has AVX-512 VNNI; else None."""
     setting = os.environ.get("HERON_PROMPT_WEIGHTS")
     kernels = cpu_kernels()
     if dtype != torch.bfloat16 or setting == "0" or kernels is None:
         return None
-    if setting != "1" and not kernels.tile_linear_amx():
+    if setting == "1" or kernels.tile_linear_amx():
+        return tile_packed(packed.dequantize(torch.bfloat16))
+    if kernels.row_scale_available() and packed.k % ACT_BLOCK == 0:
+        return row_scale_copy(packed)
+    return None
+
+
+def row_scale_copy(packed: PackedInt) -> PackedInt | None:
+    """``packed`` requantized to 8 bits with one scale and min per output row (``kernels.int_linear_row_scale``),
+    where the copy fits in memory (``copy_fits``); else None. Each row spans its own range in 255 steps: for a
+    4-bit block format the copy's error is a small part of the format's own."""
+    if not copy_fits(torch.empty(packed.n, packed.k, dtype=torch.uint8, device="meta")):
         return None
-    return tile_packed(packed.dequantize(torch.bfloat16))
+    weight = packed.dequantize()
+    low, high = weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True)
+    scales = (high - low) / 255
+    q = torch.round((weight - low) / torch.where(scales > 0, scales, 1.0)).clamp_(0, 255).to(torch.uint8)
+    return pack(IntShard(q, scales, low, 8, packed.k))
 
 
 class PackedIntLinearMethod(QuantizationMethod):
@@ -228,6 +262,8 @@ class PackedIntLinearMethod(QuantizationMethod):
 
     def describe(self, layer: nn.Module) -> str:
         """The kernel the packed weight goes through here."""
+        if isinstance(layer.prompt_weight, PackedInt):
+            return f"{integer_kernel()}, prompt tokens through an 8-bit copy with a scale per output row"
         if layer.prompt_weight is not None:
             return f"{integer_kernel()}, prompt tokens through a bfloat16 copy ({tile_kernel()})"
         return integer_kernel()

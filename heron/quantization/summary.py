@@ -17,7 +17,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def copy_bytes(model: nn.Module) -> int:
     """Bytes of the linear layers' second copies (a dense weight's packed layout for many rows, an integer weight's
-    bfloat16 copy for prompt chunks)."""
+    bfloat16 or 8-bit copy for prompt chunks)."""
     copies = (getattr(m, name, None) for m in model.modules() for name in ("batch_weight", "prompt_weight"))
     return sum(t.nbytes for t in copies if t is not None)
 
@@ -28,5 +28,5 @@ def describe_weights(model: nn.Module) -> str:
     paths = Counter(m.quant_method.describe(m) or "dense" for m in linears)
     layers = "; ".join(f"{n} {path}" for path, n in paths.items())
     copies = copy_bytes(model)
-    extra = f" (+{copies / 2**20:.1f} MiB of bfloat16 copies)" if copies else ""
+    extra = f" (+{copies / 2**20:.1f} MiB of copies for prompt tokens or many rows)" if copies else ""
     return f"weights {weight_bytes(model) / 2**20:.1f} MiB{extra}; linear layers: {layers}"

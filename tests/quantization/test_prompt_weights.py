@@ -1,7 +1,8 @@
-"""Integer-weight layers with a bfloat16 copy for prompt tokens (heron/quantization/packed_int.py): prompt rows
-go through heron's bfloat16 matmul on the copy (kernels.tile_linear), every other row through the integer
-kernel exactly as without it, so a row's result in these layers never depends on its batch, its prompt's chunks
-or prefix-cache hits."""
+"""Integer-weight layers with a copy for prompt tokens (heron/quantization/packed_int.py): prompt rows go through
+heron's bfloat16 matmul on a bfloat16 copy (kernels.tile_linear, CPUs with AMX) or through the integer kernel on
+an 8-bit copy with one scale per output row (kernels.int_linear_row_scale, AVX-512 VNNI without AMX), every
+other row through the integer kernel exactly as without it, so a row's result in these layers never depends on
+its batch, its prompt's chunks or prefix-cache hits."""
 
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ from heron.kernels import cpu_kernels
 from heron.layers.prompt_rows import current_rows, step_rows
 from heron.quantization import base, packed_int
 from heron.quantization.base import tile_packed
-from heron.quantization.packed_int import IntShard, linear, pack, prompt_weight_of
+from heron.quantization.packed_int import IntShard, PackedInt, linear, pack, prompt_weight_of, row_scale_copy
 
 needs_tiles = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().tile_linear_available(),
                                  reason="needs heron's CPU kernels on a CPU with AMX or AVX-512 BF16")
+needs_row_scale = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().row_scale_available(),
+                                     reason="needs heron's CPU kernels on a CPU with AVX-512 VNNI")
+COPIES = [pytest.param("tiles", marks=needs_tiles), pytest.param("8-bit", marks=needs_row_scale)]
+
+
+def copy_of(packed: packed_int.PackedInt, kind: str) -> packed_int.PromptWeight:
+    return tile_packed(packed.dequantize(torch.bfloat16)) if kind == "tiles" else row_scale_copy(packed)
 
 
 def test_step_rows_name_the_prompt_rows_of_each_sequence():
@@ -45,10 +53,10 @@ def random_packed(n: int = 96, k: int = 256, bits: int = 4, group: int = 32) -> 
                          bits, group))
 
 
-@needs_tiles
-def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_in_any_step():
+@pytest.mark.parametrize("kind", COPIES)
+def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_in_any_step(kind):
     packed = random_packed()
-    copy = tile_packed(packed.dequantize(torch.bfloat16))
+    copy = copy_of(packed, kind)
     bias = torch.randn(packed.n).bfloat16()
     query_lens, prompt_rows = [3, 150, 1, 30], [3, 150, 0, 29]  # 30: a prompt's last token and a draft
     x = torch.randn(sum(query_lens), packed.k).bfloat16()
@@ -67,12 +75,18 @@ def test_prompt_rows_take_the_copy_the_others_the_integer_kernel_each_row_alike_
             torch.testing.assert_close(linear(x[part], packed, bias, copy), out[part], atol=0, rtol=0)
 
 
-def test_the_copy_is_kept_only_for_bfloat16_with_amx_tiles_and_memory(monkeypatch):
+def test_the_copy_is_bfloat16_tiles_with_amx_8_bits_with_vnni_only_for_bfloat16_and_memory(monkeypatch):
     packed = random_packed()
-    tiles = cpu_kernels() is not None and cpu_kernels().tile_linear_available()
-    amx = tiles and cpu_kernels().tile_linear_amx()
-    # without AMX (AVX-512 BF16 vectors, or no bfloat16 matmul of heron's) the integer kernel is the faster
-    assert (prompt_weight_of(packed, torch.bfloat16) is not None) == amx
+    kernels = cpu_kernels()
+    tiles = kernels is not None and kernels.tile_linear_available()
+    amx = tiles and kernels.tile_linear_amx()
+    copy = prompt_weight_of(packed, torch.bfloat16)
+    if amx:
+        assert isinstance(copy, torch.Tensor)
+    elif kernels is not None and kernels.row_scale_available():  # AVX-512 BF16 vectors lose to the integer kernel
+        assert isinstance(copy, PackedInt) and (copy.bits, copy.group, copy.n, copy.k) == (8, packed.k, 96, 256)
+    else:
+        assert copy is None
     assert prompt_weight_of(packed, torch.float32) is None
     monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "1")  # asked for: wherever tile_linear runs
     assert (prompt_weight_of(packed, torch.bfloat16) is not None) == tiles
@@ -111,11 +125,14 @@ def test_the_vector_path_passes_the_same_checks_where_amx_is_turned_off():
     assert "4 passed" in run.stdout
 
 
-@needs_tiles
+@pytest.mark.parametrize("kind", COPIES)
 @pytest.mark.parametrize("weights", ["int4", "gguf-q4_1"])
 def test_a_model_with_prompt_copies_batches_like_one_at_a_time_and_stays_close_to_the_kernel(
-        tiny_model_dir, tmp_path, monkeypatch, weights):
-    monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "1")  # the copy on CPUs without AMX too
+        tiny_model_dir, tmp_path, monkeypatch, weights, kind):
+    if kind == "tiles":
+        monkeypatch.setenv("HERON_PROMPT_WEIGHTS", "1")  # the bfloat16 copy on CPUs without AMX too
+    elif cpu_kernels().tile_linear_amx():
+        pytest.skip("with AMX the copy is the bfloat16 one")
     if weights == "int4":
         model, quantization = tiny_model_dir(), "int4"
     else:
@@ -135,7 +152,8 @@ def test_a_model_with_prompt_copies_batches_like_one_at_a_time_and_stays_close_t
 
     llm = make()
     runner_model = llm.engine.core.runner.model
-    assert runner_model.layers[0].mlp.gate_up_proj.prompt_weight is not None
+    copy_type = torch.Tensor if kind == "tiles" else PackedInt
+    assert isinstance(runner_model.layers[0].mlp.gate_up_proj.prompt_weight, copy_type)
     if weights != "int4":  # GGUF packs the LM head too, but its rows are the sampled ones, not a step's
         assert runner_model.lm_head.packed is not None and runner_model.lm_head.prompt_weight is None
     alone = [generate(llm, [p])[0] for p in prompts]
@@ -145,3 +163,30 @@ def test_a_model_with_prompt_copies_batches_like_one_at_a_time_and_stays_close_t
     without = make()
     assert without.engine.core.runner.model.layers[0].mlp.gate_up_proj.prompt_weight is None
     torch.testing.assert_close(heron_logits(llm, prompts[0]), heron_logits(without, prompts[0]), atol=0.1, rtol=0.05)
+
+
+@needs_row_scale
+@pytest.mark.parametrize("n, k", [(96, 256), (40, 1536), (3072, 576)])
+def test_the_8_bit_copy_is_the_product_and_each_rows_bits_do_not_depend_on_its_batch(n, k):
+    packed = random_packed(n, k)
+    copy = row_scale_copy(packed)
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(300, k).bfloat16()
+    run = cpu_kernels().int_linear_row_scale
+    out = run(x, copy.qweight, copy.scales, copy.mins, n, bias)
+    reference = F.linear(x.float(), packed.dequantize(), bias.float())
+    error = (out.float() - reference).norm() / reference.norm()
+    assert error < 0.01
+    # the copy's rounding adds less than the kernel's own (its activations' int8 rounding): 0.0057-0.0072 against
+    # 0.0045-0.0053 for these shapes, where every 32 weights span their own range
+    kernel = cpu_kernels().int_linear(x, packed.qweight, packed.scales, packed.mins, 4, 32, n, bias).float()
+    assert error < 1.5 * (kernel - reference).norm() / reference.norm()
+    # one row, a few (one pass), more (passes of four, a remainder), alone or in the middle of a batch
+    for rows in (slice(0, 1), slice(3, 8), slice(10, 15), slice(41, 300)):
+        torch.testing.assert_close(run(x[rows].contiguous(), copy.qweight, copy.scales, copy.mins, n, bias), out[rows],
+                                   atol=0, rtol=0)
+
+
+def test_the_8_bit_copy_needs_the_memory(monkeypatch):
+    monkeypatch.setattr(base, "available_memory", lambda: 0)
+    assert row_scale_copy(random_packed()) is None

@@ -343,6 +343,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
 torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                          int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
 int64_t int_linear_amx_rows();
+torch::Tensor int_linear_row_scale(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                                   int64_t n, c10::optional<torch::Tensor> bias);
+bool row_scale_available();
 torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n);
 bool tile_linear_available();
 bool tile_linear_amx();
@@ -356,6 +359,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused gate/up projection");
   m.def("gemv_bf16", &gemv_bf16, "bfloat16 y = x W^T for a few rows, at memory speed");
   m.def("int_linear", &int_linear, "y = x W^T for a packed 4/8-bit W, int8 activations (AVX-512 VNNI, AMX)");
+  m.def("int_linear_row_scale", &int_linear_row_scale,
+        "y = x W^T for an 8-bit packed W with one scale per output row, applied once (AVX-512 VNNI)");
+  m.def("row_scale_available", &row_scale_available, "whether int_linear_row_scale runs on this CPU");
   m.def("int_linear_amx_rows", &int_linear_amx_rows, "rows from which int_linear multiplies in AMX tiles (0: never)");
   m.def("tile_linear", &tile_linear,
         "bfloat16 y = x W^T on AMX tiles (or AVX-512 BF16 vectors), each row's bits the same in any batch",
