@@ -345,9 +345,10 @@ void column_groups(const uint8_t* w, int64_t tile_bytes, const S* scales, const 
 }
 
 // NT tiles = 2 * NT column groups, CG at a time: as many as keep the accumulators in registers.
-template <int BITS, int MT, int NT, typename S>
+template <int BITS, int MT, int NT, typename S, bool ROW = false>
 void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
               const QuantizedActivations& a, int64_t m0, float* out) {
+  static_assert(!ROW, "one scale per output row: the AVX-512 VNNI loop only");
   constexpr int CG = std::min(2 * NT, std::max(1, 4 / MT));
   const ActivationRows<MT> rows(a, m0, Kp, G);
   for (int c0 = 0; c0 < 2 * NT; c0 += CG) {
@@ -358,9 +359,10 @@ void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mi
 
 #else  // portable form of the same arithmetic (no AVX-512 VNNI, no AVX2): slower, same results
 
-template <int BITS, int MT, int NT, typename S>
+template <int BITS, int MT, int NT, typename S, bool ROW = false>
 void tile_dot(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
               const QuantizedActivations& a, int64_t m0, float* out) {
+  static_assert(!ROW, "one scale per output row: the AVX-512 VNNI loop only");
   constexpr int64_t kStep = BITS == 8 ? 4 : 8;
   const int64_t sub = std::min(G, kActBlock), groups = Kp / G;
   for (int t = 0; t < NT; ++t) {
@@ -491,36 +493,20 @@ void amx_tiles(const uint8_t* const* w, const S* const* scales, const S* const* 
 template <int BITS, int NT, typename S, bool ROW>
 void tile_rows(const uint8_t* w, int64_t tile_bytes, const S* scales, const S* mins, int64_t Kp, int64_t G,
                const QuantizedActivations& a, int64_t m0, int64_t rows, float* out) {
-  if constexpr (ROW) {  // VNNI only (int_linear_row_scale checks)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    switch (rows) {
-      case 1: return tile_dot<BITS, 1, NT, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-      case 2: return tile_dot<BITS, 2, NT, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-      case 3: return tile_dot<BITS, 3, NT, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-      case 4: return tile_dot<BITS, 4, NT, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-      case 5: if constexpr (NT == 1) return tile_dot<BITS, 5, 1, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out); break;
-      case 6: if constexpr (NT == 1) return tile_dot<BITS, 6, 1, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out); break;
-      case 7: if constexpr (NT == 1) return tile_dot<BITS, 7, 1, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out); break;
-      case 8: if constexpr (NT == 1) return tile_dot<BITS, 8, 1, S, true>(w, tile_bytes, scales, mins, Kp, G, a, m0, out); break;
-      default: break;
-    }
-#endif
-    return;
-  }
   if constexpr (NT == 1 && kOneTilePasses) {  // a call of 5-8 rows in one pass
     switch (rows) {
-      case 5: return tile_dot<BITS, 5, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-      case 6: return tile_dot<BITS, 6, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-      case 7: return tile_dot<BITS, 7, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-      case 8: return tile_dot<BITS, 8, 1, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      case 5: return tile_dot<BITS, 5, 1, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      case 6: return tile_dot<BITS, 6, 1, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      case 7: return tile_dot<BITS, 7, 1, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+      case 8: return tile_dot<BITS, 8, 1, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
       default: break;
     }
   }
   switch (rows) {
-    case 1: return tile_dot<BITS, 1, NT, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-    case 2: return tile_dot<BITS, 2, NT, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-    case 3: return tile_dot<BITS, 3, NT, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
-    default: return tile_dot<BITS, 4, NT, S>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+    case 1: return tile_dot<BITS, 1, NT, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+    case 2: return tile_dot<BITS, 2, NT, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+    case 3: return tile_dot<BITS, 3, NT, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
+    default: return tile_dot<BITS, 4, NT, S, ROW>(w, tile_bytes, scales, mins, Kp, G, a, m0, out);
   }
 }
 
@@ -649,8 +635,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qweight, torch::Tenso
             for (int64_t t = 0; t < nt; t += step) {
               const int64_t at = (t0 + t) * tile_bytes, scale_at = t * groups * kRows;
               float* o = out + t * rows * kRows;
-              if (row) tiles_rows<8, S, true>(wp + at, tile_bytes, sp + scale_at, mp + scale_at, Kp, group, a, m0, rows, step, o);
-              else if (bits == 8) tiles_rows<8, S>(wp + at, tile_bytes, sp + scale_at, mp + scale_at, Kp, group, a, m0, rows, step, o);
+              if (row) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)  // int_linear_row_scale checks
+                tiles_rows<8, S, true>(wp + at, tile_bytes, sp + scale_at, mp + scale_at, Kp, group, a, m0, rows, step, o);
+#endif
+              } else if (bits == 8) tiles_rows<8, S>(wp + at, tile_bytes, sp + scale_at, mp + scale_at, Kp, group, a, m0, rows, step, o);
               else tiles_rows<4, S>(wp + at, tile_bytes, sp + scale_at, mp + scale_at, Kp, group, a, m0, rows, step, o);
             }
             for (int64_t t = 0; t < nt; ++t) store_tile(out + t * rows * kRows, rows, m0, (t0 + t) * kRows, n, bp, yp);
