@@ -1,7 +1,9 @@
 // Fused small ops and a one-row matmul for the CPU decode path. A decode step of a small model is thousands of
 // tiny tensor ops; each of these replaces three to eight of them (one pass over the data instead of several,
 // one dispatch instead of several), computing in float32 and rounding once to the tensor's dtype.
-#include <torch/extension.h>
+// pybind11 and ATen's type casters, not all of torch/extension.h (see float_rows.h)
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include "float_rows.h"
@@ -129,14 +131,14 @@ void gemv_rows(const uint16_t* x, const uint16_t* w, const float* bias, int64_t 
 #endif
 }
 
-void check_cpu(const torch::Tensor& t, const char* name) {
+void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
 }  // namespace
 
 // out = norm(x) * weight; with residual: residual += x (in place), out = norm(residual) * weight.
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   check_cpu(x, "x");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "rms_norm: contiguous x and a weight of x's dtype");
@@ -144,18 +146,18 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
   if (residual.has_value())
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
                 residual->scalar_type() == x.scalar_type(), "rms_norm: residual like x");
-  auto out = torch::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  auto out = at::empty_like(x);
+  HERON_DISPATCH_MODEL_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
-                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, H, static_cast<float>(eps));
+                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, H, static_cast<float>(eps));
   });
   return out;
 }
 
 // Rotate-half RoPE applied in place to q [T, H, D] and k [T, KVH, D] (rows may be strided views of a fused
 // projection); cos and sin: float32 [max_positions, D] tables, looked up at positions [T] (int64).
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                      torch::Tensor sin) {
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                      at::Tensor sin) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
               k.stride(1) == k.size(2) && q.scalar_type() == k.scalar_type(), "rotary_embedding: q, k layout");
@@ -163,7 +165,7 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
               sin.is_contiguous(), "rotary_embedding: int64 positions, float32 tables");
   const int64_t T = q.size(0), D = q.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+  HERON_DISPATCH_MODEL_TYPES(q.scalar_type(), "rotary_embedding", [&] {
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
@@ -179,14 +181,14 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
 }
 
 // SwiGLU on a fused gate/up projection: x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I].
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_cpu(x, "x");
   TORCH_CHECK(x.is_contiguous(), "silu_and_mul: contiguous x");
   const int64_t I = x.size(-1) / 2, rows = x.numel() / x.size(-1);
   auto sizes = x.sizes().vec();
   sizes.back() = I;
-  auto out = torch::empty(sizes, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  auto out = at::empty(sizes, x.options());
+  HERON_DISPATCH_MODEL_TYPES(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -199,14 +201,14 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 // y = x W^T (+ bias) for a few bfloat16 rows x [M <= 4, K] and a dense W [N, K]; float32 accumulation.
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   check_cpu(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
               x.size(0) <= 4 && x.is_contiguous() && weight.is_contiguous() && x.size(1) == weight.size(1),
               "gemv_bf16: bfloat16 x [M <= 4, K] and W [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bias_f32;
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -236,7 +238,7 @@ void quantize_kv_row(const T* src, F8* dst, int64_t n, float scale, float* buf) 
 // Writes this step's keys and values [T, KVH, D] (strided rows allowed) into slots of the paged pool
 // [2, NB, KVH, BS, D] (slot s: position s % BS of block s / BS); a negative slot skips the token. A pool of k's
 // dtype gets a copy; a float8 pool (an fp8 KV cache) gets k / k_scale and v / v_scale.
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slots, double k_scale,
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots, double k_scale,
               double v_scale) {
   check_cpu(kv_cache, "kv_cache");
   const auto pool = kv_cache.scalar_type();
@@ -267,7 +269,7 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::T
     }
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
+  HERON_DISPATCH_MODEL_TYPES(k.scalar_type(), "store_kv", [&] {
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     const auto write = [&](auto* keys) {  // keys: the pool's first half, values follow
@@ -296,12 +298,12 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::T
 
 // Each row's argmax, the first on ties, a NaN counting above every number (as torch.max(dim) returns them):
 // one vectorized pass for the row's maximum (and whether it has a NaN), one that stops at its first index.
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "float32 rows [M, V] with contiguous columns");
   const int64_t rows = logits.size(0), V = logits.size(1), stride = logits.stride(0);
   TORCH_CHECK(V > 0, "rows of at least one logit");
-  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -337,16 +339,16 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
-                              torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
-                              double scale, int64_t window, double k_scale, double v_scale);
-torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                         int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
+at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table,
+                           at::Tensor seq_lens, at::Tensor query_begin, at::Tensor query_end,
+                           double scale, int64_t window, double k_scale, double v_scale);
+at::Tensor int_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
+                      int64_t bits, int64_t group, int64_t n, c10::optional<at::Tensor> bias);
 int64_t int_linear_amx_rows();
-torch::Tensor int_linear_row_scale(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                                   int64_t n, c10::optional<torch::Tensor> bias);
+at::Tensor int_linear_row_scale(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
+                                int64_t n, c10::optional<at::Tensor> bias);
 bool row_scale_available();
-torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n);
+at::Tensor tile_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias, int64_t n);
 bool tile_linear_available();
 bool tile_linear_amx();
 

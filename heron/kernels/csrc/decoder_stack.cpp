@@ -4,31 +4,33 @@
 // on tensors of the same shapes and strides, so the output is the per-op form's bit for bit
 // (tests/layers/test_decoder_stack.py); heron/model/decoder_stack.py decides when a model and a step can use it.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+// pybind11 and ATen's type casters, not all of torch/extension.h (see float_rows.h)
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/ops/linear.h>
 
 #include <cmath>
 #include <tuple>
 #include <vector>
 
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                      torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slots, double k_scale,
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                      at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots, double k_scale,
               double v_scale);
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
-                              torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
-                              double scale, int64_t window, double k_scale, double v_scale);
-torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                         int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias);
-torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n);
+at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table,
+                           at::Tensor seq_lens, at::Tensor query_begin, at::Tensor query_end,
+                           double scale, int64_t window, double k_scale, double v_scale);
+at::Tensor int_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
+                      int64_t bits, int64_t group, int64_t n, c10::optional<at::Tensor> bias);
+at::Tensor tile_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias, int64_t n);
 
 namespace {
 
 // oneDNN's linear on a weight packed into its blocked layout (torch.ops.mkldnn._linear_pointwise), found once.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -43,28 +45,28 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // kernel for a few contiguous rows where ``gemv`` says the CPU has native bfloat16, then the weight's copy for
 // many bfloat16 rows where it has one: tile_linear's layout (AMX or AVX-512 BF16) or oneDNN's; else at::linear).
 struct StackLinear {
-  torch::Tensor qweight, scales, mins, dense;
-  c10::optional<torch::Tensor> batch;
+  at::Tensor qweight, scales, mins, dense;
+  c10::optional<at::Tensor> batch;
   int64_t bits = 0, group = 0, n = 0;
-  c10::optional<torch::Tensor> bias;
+  c10::optional<at::Tensor> bias;
   bool gemv = false;
 
-  static StackLinear packed(torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins, int64_t bits,
-                            int64_t group, int64_t n, c10::optional<torch::Tensor> bias) {
+  static StackLinear packed(at::Tensor qweight, at::Tensor scales, at::Tensor mins, int64_t bits,
+                            int64_t group, int64_t n, c10::optional<at::Tensor> bias) {
     StackLinear linear;
     linear.qweight = qweight, linear.scales = scales, linear.mins = mins;
     linear.bits = bits, linear.group = group, linear.n = n, linear.bias = bias;
     return linear;
   }
 
-  static StackLinear dense_weight(torch::Tensor weight, c10::optional<torch::Tensor> batch,
-                                  c10::optional<torch::Tensor> bias, bool gemv) {
+  static StackLinear dense_weight(at::Tensor weight, c10::optional<at::Tensor> batch,
+                                  c10::optional<at::Tensor> bias, bool gemv) {
     StackLinear linear;
     linear.dense = weight, linear.batch = batch, linear.bias = bias, linear.gemv = gemv;
     return linear;
   }
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (qweight.defined()) return int_linear(x.contiguous(), qweight, scales, mins, bits, group, n, bias);
     if (gemv && x.size(0) <= 4 && x.scalar_type() == at::kBFloat16 && x.is_contiguous())
       return gemv_bf16(x, dense, bias);
@@ -79,7 +81,7 @@ struct StackLinear {
 // One decoder layer's weights: pre-norms, the fused q/k/v and gate/up projections, and its attention window
 // (0: none).
 struct StackLayer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   double input_eps, post_eps;
   StackLinear qkv, o_proj, gate_up, down;
   int64_t window;
@@ -87,28 +89,28 @@ struct StackLayer {
 
 // The step's attention inputs, as the CPU paged backend passes them to its kernels.
 struct StackStep {
-  torch::Tensor positions, block_table, seq_lens, query_begin, query_end, slots;
+  at::Tensor positions, block_table, seq_lens, query_begin, query_end, slots;
 };
 
 class DecoderStack {
  public:
   DecoderStack(std::vector<StackLayer> layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               torch::Tensor cos, torch::Tensor sin)
+               at::Tensor cos, at::Tensor sin)
       : layers_(std::move(layers)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
         cos_(std::move(cos)), sin_(std::move(sin)) {}
 
   // Runs layers ``layer_ids`` over ``hidden`` [T, H] (the embeddings); returns (hidden, residual) before the
   // final norm. ``kv_caches`` and the scales are per layer of the whole stack.
-  std::tuple<torch::Tensor, torch::Tensor> forward(
-      torch::Tensor hidden, torch::Tensor positions, const std::vector<torch::Tensor>& kv_caches,
-      const std::vector<double>& k_scales, const std::vector<double>& v_scales, torch::Tensor block_table,
-      torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end, torch::Tensor slots,
+  std::tuple<at::Tensor, at::Tensor> forward(
+      at::Tensor hidden, at::Tensor positions, const std::vector<at::Tensor>& kv_caches,
+      const std::vector<double>& k_scales, const std::vector<double>& v_scales, at::Tensor block_table,
+      at::Tensor seq_lens, at::Tensor query_begin, at::Tensor query_end, at::Tensor slots,
       const std::vector<int64_t>& layer_ids) const {
     const int64_t count = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == count && static_cast<int64_t>(k_scales.size()) == count &&
                 static_cast<int64_t>(v_scales.size()) == count, "DecoderStack: one KV cache and scale pair a layer");
     const StackStep step{positions, block_table, seq_lens, query_begin, query_end, slots};
-    torch::Tensor residual;
+    at::Tensor residual;
     for (const int64_t i : layer_ids) {
       TORCH_CHECK(i >= 0 && i < count, "DecoderStack: no layer ", i);
       const StackLayer& layer = layers_[i];
@@ -127,13 +129,13 @@ class DecoderStack {
 
  private:
   // heron/model/llama.py's Attention with heron/attention/cpu_paged.py's forward, every query through the kernel.
-  torch::Tensor attend(const StackLayer& layer, const torch::Tensor& x, const StackStep& step,
-                       const torch::Tensor& kv_cache, double k_scale, double v_scale) const {
-    const torch::Tensor qkv = layer.qkv(x);
+  at::Tensor attend(const StackLayer& layer, const at::Tensor& x, const StackStep& step,
+                    const at::Tensor& kv_cache, double k_scale, double v_scale) const {
+    const at::Tensor qkv = layer.qkv(x);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    const torch::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
-    const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
-    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads_, head_dim_});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads_, head_dim_});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads_, head_dim_});
     rotary_embedding(step.positions, q, k, cos_, sin_);
     store_kv(k, v, kv_cache, step.slots, k_scale, v_scale);
     const double scale = std::pow(static_cast<double>(head_dim_), -0.5);
@@ -144,7 +146,7 @@ class DecoderStack {
 
   std::vector<StackLayer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  torch::Tensor cos_, sin_;
+  at::Tensor cos_, sin_;
 };
 
 }  // namespace
@@ -159,14 +161,14 @@ void bind_decoder_stack(pybind11::module& m) {
                   "(dense_linear: gemv_bf16 for a few bfloat16 rows where gemv, the copy for more, else F.linear)",
                   py::arg("weight"), py::arg("batch"), py::arg("bias"), py::arg("gemv"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a DecoderStack")
-      .def(py::init([](torch::Tensor input_norm, double input_eps, torch::Tensor post_norm, double post_eps,
+      .def(py::init([](at::Tensor input_norm, double input_eps, at::Tensor post_norm, double post_eps,
                        StackLinear qkv, StackLinear o_proj, StackLinear gate_up, StackLinear down, int64_t window) {
              return StackLayer{input_norm, post_norm, input_eps, post_eps, qkv, o_proj, gate_up, down, window};
            }),
            py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("qkv"),
            py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("window"));
   py::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decoder stack run in one call")
-      .def(py::init<std::vector<StackLayer>, int64_t, int64_t, int64_t, torch::Tensor, torch::Tensor>(),
+      .def(py::init<std::vector<StackLayer>, int64_t, int64_t, int64_t, at::Tensor, at::Tensor>(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("cos"),
            py::arg("sin"))
       .def("forward", &DecoderStack::forward, py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),

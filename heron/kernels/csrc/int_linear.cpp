@@ -58,7 +58,7 @@ inline __m512 load16(const at::Half* p) {
 
 // Calls ``body`` with a null pointer of the scales' element type (float or at::Half).
 template <typename F>
-void dispatch_scales(const torch::Tensor& scales, F body) {
+void dispatch_scales(const at::Tensor& scales, F body) {
   if (scales.scalar_type() == at::kHalf) body(static_cast<const at::Half*>(nullptr));
   else body(static_cast<const float*>(nullptr));
 }
@@ -529,7 +529,7 @@ void store_tile(const float* out, int64_t rows, int64_t m0, int64_t col0, int64_
   }
 }
 
-void check_packed(const torch::Tensor& qweight, const torch::Tensor& scales, const torch::Tensor& mins,
+void check_packed(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
                   int64_t bits, int64_t group) {
   TORCH_CHECK(bits == 4 || bits == 8, "int_linear: 4- or 8-bit weights");
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.dim() == 4 &&
@@ -547,15 +547,15 @@ void check_packed(const torch::Tensor& qweight, const torch::Tensor& scales, con
 
 // y [M, n] = x [M, K] W^T (+ bias) for a packed integer W; x float32 / bfloat16 / float16. row: W is 8-bit with
 // one group per output row, its scale applied once (int_linear_row_scale).
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                            int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias, bool row) {
+at::Tensor packed_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
+                         int64_t bits, int64_t group, int64_t n, c10::optional<at::Tensor> bias, bool row) {
   check_packed(qweight, scales, mins, bits, group);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "int_linear: contiguous x [M, K] on the CPU");
   const int64_t M = x.size(0), K = x.size(1), Kp = scales.size(1) * group, tiles = qweight.size(0);
   TORCH_CHECK(K <= Kp && Kp - K < std::max(group, kActBlock) && n <= tiles * kRows && n > tiles * kRows - kRows,
               "int_linear: x has ", K, " inputs, the weight ", Kp, " (padded)");
-  auto y = torch::empty({M, n}, x.options());
-  torch::Tensor bias_f32;
+  auto y = at::empty({M, n}, x.options());
+  at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
 #ifdef HERON_AMX_INT8
@@ -563,7 +563,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qweight, torch::Tenso
 #else
   const bool amx = false;
 #endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int_linear", [&] {
+  HERON_DISPATCH_MODEL_TYPES(x.scalar_type(), "int_linear", [&] {
     const int64_t padded_rows = amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M;
     const QuantizedActivations a = quantize_activations(x.data_ptr<scalar_t>(), M, padded_rows, K, Kp, group);
     scalar_t* yp = y.data_ptr<scalar_t>();
@@ -651,8 +651,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qweight, torch::Tenso
   return y;
 }
 
-torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                         int64_t bits, int64_t group, int64_t n, c10::optional<torch::Tensor> bias) {
+at::Tensor int_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
+                      int64_t bits, int64_t group, int64_t n, c10::optional<at::Tensor> bias) {
   return packed_linear(std::move(x), std::move(qweight), std::move(scales), std::move(mins), bits, group, n,
                        std::move(bias), false);
 }
@@ -663,8 +663,8 @@ torch::Tensor int_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor s
 // ~1.15-1.2x the multiply-adds per second of the 4-bit layout at many rows on Zen 4 (docs/performance.md). AVX-512
 // VNNI only (row_scale_available); every row count takes the same arithmetic, so a row's result does not depend on
 // its batch.
-torch::Tensor int_linear_row_scale(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                                   int64_t n, c10::optional<torch::Tensor> bias) {
+at::Tensor int_linear_row_scale(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor mins,
+                                int64_t n, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(row_scale_available(), "int_linear_row_scale needs AVX-512 VNNI");
   TORCH_CHECK(scales.dim() == 3 && scales.size(1) == 1, "int_linear_row_scale: one scale per output row");
   const int64_t Kp = qweight.size(1) * 4;

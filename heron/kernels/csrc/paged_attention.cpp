@@ -32,7 +32,6 @@
 // Head dims 64 and 128 are compiled in; the next tile's rows are prefetched while a tile is computed.
 // The pool holds the queries' dtype, or float8 (an fp8 KV cache): stored keys are k / k_scale and values
 // v / v_scale, so k_scale is folded into the scaled query and v_scale into the output's normalization.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "float_rows.h"
@@ -373,6 +372,17 @@ bool bf16_pairs_fast() {
   return fast;
 }
 
+// Whether the pair scores apply (bfloat16 queries on AVX-512 BF16, a bfloat16 or float8 pool, a head dim fixed at
+// compile time): elsewhere attend's PAIRS changes nothing, and only its false form is built.
+template <int64_t DC, typename T, typename C>
+constexpr bool kPairsApply =
+#if defined(HERON_BF16_PAIRS)
+    DC > 0 && std::is_same_v<T, at::BFloat16> &&
+    (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>);
+#else
+    false;
+#endif
+
 // T: q's and the output's dtype; C: the pool's (T, or float8); DC: the head dim when fixed at compile time (0:
 // head_dim); PAIRS: bfloat16 scores from pairs where the types allow (bf16_pairs_fast). scale: the softmax scale
 // times k_scale, applied to the query; v_scale: applied with 1 / the sum.
@@ -393,13 +403,7 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
   const bool in_place = std::is_same_v<C, float> && BS % kTile == 0;
   // bfloat16 queries on AVX-512 BF16: scores from bfloat16 pairs (pair_scores), keys read in a bfloat16 pool, or
   // a float8 pool's converted to bfloat16 (exactly: every float8 value is a bfloat16 one)
-#if defined(HERON_BF16_PAIRS)
-  constexpr bool pool_fp8 = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
-  constexpr bool pairs =
-      PAIRS && DC > 0 && std::is_same_v<T, at::BFloat16> && (std::is_same_v<C, at::BFloat16> || pool_fp8);
-#else
-  constexpr bool pairs = false;
-#endif
+  constexpr bool pairs = PAIRS && kPairsApply<DC, T, C>;
 
   // The units, their cost (rows x positions), and how many items each is spread over.
   std::vector<Unit> units;
@@ -651,9 +655,9 @@ void attend(const T* q, int64_t q_stride, const C* cache, const int32_t* block_t
 // and v / v_scale); block_table: [B, W] int32; seq_lens: [B] int32;
 // query_begin, query_end: [B] int32, sequence b's queries are rows [begin, end) of q (an empty range skips it:
 // its rows of the result are left for another path). Returns [T, H, D].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
-                              torch::Tensor seq_lens, torch::Tensor query_begin, torch::Tensor query_end,
-                              double scale, int64_t window, double k_scale, double v_scale) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table,
+                           at::Tensor seq_lens, at::Tensor query_begin, at::Tensor query_end,
+                           double scale, int64_t window, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == q.size(2) &&
               q.size(1) % kv_cache.size(2) == 0,
               "a pool [2, blocks, kv_heads, block_size, head_dim] of q's head dim, whose KV heads divide q's heads");
@@ -662,8 +666,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
   const auto pool = kv_cache.scalar_type();
   TORCH_CHECK(pool == q.scalar_type() || pool == at::kFloat8_e4m3fn || pool == at::kFloat8_e5m2,
               "the KV cache must hold q's dtype or float8");
-  auto out = torch::empty(q.sizes(), q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+  auto out = at::empty(q.sizes(), q.options());
+  HERON_DISPATCH_MODEL_TYPES(q.scalar_type(), "paged_attention", [&] {
     const auto run = [&](const auto* cache) {
       const auto call = [&](auto head_dim) {
         const auto with = [&](auto pairs) {
@@ -674,11 +678,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Te
               kv_cache.size(3), kv_cache.size(1), block_table.size(1), static_cast<float>(scale * k_scale), window,
               static_cast<float>(v_scale));
         };
-        if (bf16_pairs_fast()) {
-          with(std::true_type{});
-        } else {
-          with(std::false_type{});
+        using C = std::remove_cv_t<std::remove_pointer_t<decltype(cache)>>;
+        if constexpr (kPairsApply<decltype(head_dim)::value, scalar_t, C>) {
+          if (bf16_pairs_fast()) return with(std::true_type{});
         }
+        with(std::false_type{});
       };
       if (q.size(2) == 64) {
         call(std::integral_constant<int64_t, 64>{});

@@ -207,7 +207,7 @@ bool tile_linear_available() {
 }
 
 // y [M, n] = x W^T (+ bias) for bfloat16 x [M, K] and W from tile_packed ([N/16, K/32, 16, 32], N >= n).
-torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t n) {
+at::Tensor tile_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias, int64_t n) {
   TORCH_CHECK(tile_linear_available(), "tile_linear: no AMX bfloat16 tiles or AVX-512 BF16 here");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
               weight.dim() == 4 && weight.is_contiguous() && weight.size(2) == kTileIn / 2 &&
@@ -215,10 +215,10 @@ torch::Tensor tile_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
               "tile_linear: bfloat16 x [M, K] and a weight from tile_packed");
   const int64_t M = x.size(0), K = weight.size(1) * kTileIn, tiles = weight.size(0);
   TORCH_CHECK(x.size(1) == K && n <= tiles * kTileOut, "tile_linear: x has ", x.size(1), " inputs, the weight ", K);
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   if (M == 0) return y;
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor bias_f32;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
