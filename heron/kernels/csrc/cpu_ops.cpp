@@ -149,7 +149,7 @@ at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor
   auto out = at::empty_like(x);
   HERON_DISPATCH_MODEL_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
-                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, H, static_cast<float>(eps));
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, H, static_cast<float>(eps));
   });
   return out;
 }
