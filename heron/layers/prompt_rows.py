@@ -52,6 +52,26 @@ def step_rows(query_lens: list[int], prompt_rows: list[int]) -> Iterator[None]:
         _current.reset(token)
 
 
+@contextmanager
+def kept_rows(keep: torch.Tensor | None, total: int) -> Iterator[None]:
+    """Within the block, ``current_rows()`` gives the step's rows among ``keep`` (ascending indices of its
+    ``total`` rows), renumbered: the layers after a model dropped the rows whose outputs nobody wants. None: all
+    rows, as they are."""
+    rows = _current.get()
+    if keep is None or rows.prompt is None:
+        yield
+        return
+    is_prompt = torch.zeros(total, dtype=torch.bool)
+    is_prompt[rows.prompt] = True
+    kept = is_prompt[keep.cpu()]
+    as_index = lambda mask: mask.nonzero().flatten() if mask.any() else None  # noqa: E731
+    token = _current.set(StepRows(as_index(kept), as_index(~kept)))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
 def current_rows() -> StepRows:
     """The rows of the step being computed (no prompt rows outside ``step_rows``)."""
     return _current.get()

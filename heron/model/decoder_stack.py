@@ -68,9 +68,10 @@ class DecoderStack:
         return cls(stack, model)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                layer_ids: list[int], keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layers ``layer_ids`` over the embeddings ``hidden``: (hidden, residual) before the final norm, as the
-        per-op layers give them; None when this step cannot go through the stack."""
+        per-op layers give them (only rows ``keep`` past the last layer's attention, if given); None when this
+        step cannot go through the stack."""
         ranges = CpuPagedBackend.kernel_queries(meta, hidden.dtype)
         if (ranges is None or hidden.dtype != self.dtype or not hidden.is_contiguous()
                 or self.prompt_weights and any(meta.prompt_rows)):
@@ -85,4 +86,4 @@ class DecoderStack:
             v_scales.append(backend.kv_scales.v)
         begin, end = ranges
         return self.stack.forward(hidden, positions, caches, k_scales, v_scales, meta.block_table, meta.seq_lens,
-                                  begin, end, meta.slot_mapping, layer_ids)
+                                  begin, end, meta.slot_mapping, layer_ids, keep)

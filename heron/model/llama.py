@@ -15,7 +15,7 @@ from heron.layers.attention import PagedAttention
 from heron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from heron.layers.linear import MergedLinear, RowParallelLinear
 from heron.layers.norm import RMSNorm
-from heron.layers.prompt_rows import step_rows
+from heron.layers.prompt_rows import kept_rows, step_rows
 from heron.layers.rotary import RopeInputs, RotaryEmbedding
 from heron.model.decoder_stack import DecoderStack
 from heron.quantization import quantization_method_for
@@ -112,14 +112,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope: RopeInputs, hidden, residual, meta):
+    def forward(self, rope: RopeInputs, hidden, residual, meta, keep: torch.Tensor | None = None):
+        """(hidden, residual) after this layer; ``keep``: only those rows past the attention (see
+        ``LlamaForCausalLM.forward``)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        with kept_rows(keep, hidden.shape[0]):
+            if keep is not None:
+                hidden, residual = hidden[keep], residual[keep]
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,18 +167,22 @@ class LlamaForCausalLM(nn.Module):
         self.decoder_stack = DecoderStack.build(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                layer_ids: list[int] | None = None) -> torch.Tensor:
-        """Final hidden states; ``layer_ids`` runs only those layers (then the final norm): a self-draft."""
+                layer_ids: list[int] | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states; ``layer_ids`` runs only those layers (then the final norm): a self-draft.
+        ``keep`` (ascending row indices): only those rows' states, the others dropped after the last layer's
+        attention, which has stored every row's keys and values (llama.cpp's output ids): a prompt chunk's rows
+        before its last skip the last layer's MLP. Each kept row's result is the same bits as without ``keep``."""
         hidden = self.embed_tokens(input_ids)
-        layer_ids = range(len(self.layers)) if layer_ids is None else layer_ids
+        layer_ids = list(range(len(self.layers))) if layer_ids is None else list(layer_ids)
         stacked = None if self.decoder_stack is None else self.decoder_stack.forward(hidden, positions, meta,
-                                                                                      layer_ids)
+                                                                                      layer_ids, keep)
         if stacked is None:
             residual = None
             rope = self.rotary.prepare(positions, hidden.dtype)
             with step_rows(meta.query_lens, meta.prompt_rows):
                 for i in layer_ids:
-                    hidden, residual = self.layers[i](rope, hidden, residual, meta)
+                    hidden, residual = self.layers[i](rope, hidden, residual, meta,
+                                                      keep if i == layer_ids[-1] else None)
         else:
             hidden, residual = stacked
         hidden, _ = self.norm(hidden, residual)

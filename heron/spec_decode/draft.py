@@ -50,8 +50,9 @@ class LayerSubset(torch.nn.Module):
         self.model = model
         self.layer_ids = layer_ids
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, layer_ids=self.layer_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, layer_ids=self.layer_ids, keep=keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

@@ -118,8 +118,9 @@ class ModelRunner:
         inputs = self.input_batch.prepare(sched)
         self.backend.prepare(inputs.meta)
         start = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        wanted = hidden[inputs.logits_index]
+        # the rows whose logits (or pooled states) are wanted, ascending; all of them: no selection
+        keep = None if len(inputs.logits_index) == len(inputs.input_ids) else inputs.logits_index
+        wanted = self.model(inputs.input_ids, inputs.positions, inputs.meta, keep=keep)
         self.forward_seconds += time.perf_counter() - start
         return wanted
 

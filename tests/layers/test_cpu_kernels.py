@@ -217,3 +217,38 @@ def test_a_failed_build_falls_back_to_pytorch_ops_and_the_reference_backend(monk
     finally:
         cpu_kernels.cache_clear()
     assert "could not be built" in caplog.text
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_takes_zero_rows(dtype):
+    """A step may hand a layer no rows (a prompt chunk none of whose outputs is wanted, past the last layer's
+    attention): each kernel returns an empty result instead of dividing by zero (int_linear did: SIGFPE)."""
+    from transformers import LlamaConfig
+
+    from heron.quantization.base import tile_packed
+    from heron.quantization.packed_int import IntShard, pack, row_scale_copy
+
+    empty = torch.empty(0, 64, dtype=dtype)
+    packed = pack(IntShard(torch.randint(0, 16, (48, 64), dtype=torch.uint8), torch.rand(48, 2), torch.rand(48, 2),
+                           4, 32))
+    assert kernels.int_linear(empty, packed.qweight, packed.scales, packed.mins, 4, 32, 48, None).shape == (0, 48)
+    if kernels.row_scale_available():
+        copy = row_scale_copy(packed)
+        assert kernels.int_linear_row_scale(empty, copy.qweight, copy.scales, copy.mins, 48, None).shape == (0, 48)
+    weight = torch.randn(48, 64, dtype=torch.bfloat16)
+    if (tiles := tile_packed(weight)) is not None:
+        assert kernels.tile_linear(empty.bfloat16(), tiles, None, 48).shape == (0, 48)
+    assert kernels.gemv_bf16(empty.bfloat16(), weight, None).shape == (0, 48)
+    assert kernels.rms_norm(empty, empty.clone(), torch.ones(64, dtype=dtype), 1e-6).shape == (0, 64)
+    assert kernels.silu_and_mul(empty).shape == (0, 32)
+    assert kernels.argmax_rows(torch.empty(0, 10)).shape == (0,)
+    q, k = torch.empty(0, 4, 16, dtype=dtype), torch.empty(0, 2, 16, dtype=dtype)
+    rotary = RotaryEmbedding(LlamaConfig(head_dim=16, rope_theta=10000.0), 16, 32)
+    kernels.rotary_embedding(torch.empty(0, dtype=torch.long), q, k, rotary.cos, rotary.sin)
+    cache = torch.zeros(2, 2, 2, 16, 16, dtype=dtype)
+    kernels.store_kv(k, k, cache, torch.empty(0, dtype=torch.long))
+    assert cache.abs().sum() == 0
+    none = torch.zeros(1, dtype=torch.int32)
+    out = kernels.paged_attention(q, cache, torch.zeros(1, 1, dtype=torch.int32), none, none, none, 0.25, 0)
+    assert out.shape == (0, 4, 16)

@@ -208,6 +208,7 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> 
               "gemv_bf16: bfloat16 x [M <= 4, K] and W [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;  // (gemv_rows has no form for zero rows)
   at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;

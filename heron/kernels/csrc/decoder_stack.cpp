@@ -100,12 +100,13 @@ class DecoderStack {
         cos_(std::move(cos)), sin_(std::move(sin)) {}
 
   // Runs layers ``layer_ids`` over ``hidden`` [T, H] (the embeddings); returns (hidden, residual) before the
-  // final norm. ``kv_caches`` and the scales are per layer of the whole stack.
+  // final norm, of rows ``keep`` only where given (dropped after the last layer's attention, as the per-op
+  // layers drop them). ``kv_caches`` and the scales are per layer of the whole stack.
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor hidden, at::Tensor positions, const std::vector<at::Tensor>& kv_caches,
       const std::vector<double>& k_scales, const std::vector<double>& v_scales, at::Tensor block_table,
       at::Tensor seq_lens, at::Tensor query_begin, at::Tensor query_end, at::Tensor slots,
-      const std::vector<int64_t>& layer_ids) const {
+      const std::vector<int64_t>& layer_ids, const c10::optional<at::Tensor>& keep) const {
     const int64_t count = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == count && static_cast<int64_t>(k_scales.size()) == count &&
                 static_cast<int64_t>(v_scales.size()) == count, "DecoderStack: one KV cache and scale pair a layer");
@@ -121,6 +122,10 @@ class DecoderStack {
         hidden = rms_norm(hidden, c10::nullopt, layer.input_norm, layer.input_eps);
       }
       hidden = layer.o_proj(attend(layer, hidden, step, kv_caches[i], k_scales[i], v_scales[i]));
+      if (keep.has_value() && i == layer_ids.back()) {
+        hidden = hidden.index_select(0, *keep);
+        residual = residual.index_select(0, *keep);
+      }
       hidden = rms_norm(hidden, residual, layer.post_norm, layer.post_eps);
       hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
     }
@@ -173,6 +178,6 @@ void bind_decoder_stack(pybind11::module& m) {
            py::arg("sin"))
       .def("forward", &DecoderStack::forward, py::arg("hidden"), py::arg("positions"), py::arg("kv_caches"),
            py::arg("k_scales"), py::arg("v_scales"), py::arg("block_table"), py::arg("seq_lens"),
-           py::arg("query_begin"), py::arg("query_end"), py::arg("slots"), py::arg("layer_ids"),
+           py::arg("query_begin"), py::arg("query_end"), py::arg("slots"), py::arg("layer_ids"), py::arg("keep"),
            py::call_guard<py::gil_scoped_release>());  // the engine core's other threads run meanwhile
 }

@@ -555,6 +555,7 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, at
   TORCH_CHECK(K <= Kp && Kp - K < std::max(group, kActBlock) && n <= tiles * kRows && n > tiles * kRows - kRows,
               "int_linear: x has ", K, " inputs, the weight ", Kp, " (padded)");
   auto y = at::empty({M, n}, x.options());
+  if (M == 0) return y;  // (a pass of zero rows would divide by zero)
   at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const float* bp = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
