@@ -65,6 +65,7 @@ class ParallelLMHead(Linear):
     """The output projection, its vocabulary rows split over the ranks; rank 0 gets the whole logits."""
 
     step_rows = False
+    float_output = True
 
     def __init__(self, hidden_size: int, vocab_size: int, quant_method: QuantizationMethod | None = None) -> None:
         super().__init__(hidden_size, vocab_rows(vocab_size), quant_method=quant_method)

@@ -49,6 +49,9 @@ class LinearBase(nn.Module):
     # its input rows are the step's flat batch, whose prompt rows heron/layers/prompt_rows.py names (the LM
     # head's are the rows to sample)
     step_rows = True
+    # its output in float32 where the weight's kernel computes in float32 anyway (the LM head: logits not rounded
+    # to the model dtype, as llama.cpp's; the sampler wants float32)
+    float_output = False
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  quant_method: QuantizationMethod | None = None, output_parts: list[Part] | None = None,

@@ -179,13 +179,16 @@ PromptWeight = torch.Tensor | PackedInt  # tile_linear's bfloat16 copy, or an 8-
 
 
 def linear(x: torch.Tensor, packed: PackedInt, bias: torch.Tensor | None = None,
-           prompt_weight: PromptWeight | None = None) -> torch.Tensor:
+           prompt_weight: PromptWeight | None = None, float_output: bool = False) -> torch.Tensor:
     """``x W^T + bias`` for a packed integer W: heron's kernel on the CPU (each row's result is the same in any
     batch), except a step's prompt rows where W has a ``prompt_weight`` (``prompt_linear``); W dequantized to
-    x's dtype for a dense matmul without the kernels (no compiler, another device)."""
+    x's dtype for a dense matmul without the kernels (no compiler, another device). ``float_output``: the
+    kernel's float32 sums as they are, not rounded to x's dtype (it quantizes x the same from float32)."""
     kernels = kernels_for(x)
     if kernels is None:
         return torch.nn.functional.linear(x, packed.dequantize(x.dtype).to(x.device), bias)
+    if float_output:
+        x = x.float()
     rows = current_rows()
     if prompt_weight is None or rows.prompt is None or x.dtype != torch.bfloat16:
         return kernels.int_linear(x.contiguous(), packed.qweight, packed.scales, packed.mins, packed.bits,
@@ -258,7 +261,7 @@ class PackedIntLinearMethod(QuantizationMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias`` from ``layer.packed`` (and its ``prompt_weight``)."""
-        return linear(x, layer.packed, bias, layer.prompt_weight)
+        return linear(x, layer.packed, bias, layer.prompt_weight, layer.float_output)
 
     def describe(self, layer: nn.Module) -> str:
         """The kernel the packed weight goes through here."""

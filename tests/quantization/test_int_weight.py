@@ -227,6 +227,21 @@ def test_bfloat16_int8_model_stays_close_to_the_float_model(tiny_model_dir):
     assert (quantized.float() - dense).norm() / dense.norm() < 0.05
 
 
+@pytest.mark.skipif(not INT_KERNEL, reason="heron's integer kernel cannot be built here")
+def test_a_packed_lm_head_gives_its_float32_sums_unrounded(tiny_model_dir):
+    """The LM head's logits are the kernel's float32 sums (llama.cpp's are float32 too), not rounded to the model's
+    bfloat16 first: the same int8 activations, so rounded they are the bfloat16 call's bits."""
+    llm = LLM(str(tiny_model_dir("llama")), block_size=8, dtype="bfloat16", quantization="int4")
+    head = llm.engine.core.runner.model.lm_head
+    hidden = torch.randn(5, head.input_size, dtype=torch.bfloat16)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    p = head.packed
+    rounded = cpu_kernels().int_linear(hidden, p.qweight, p.scales, p.mins, p.bits, p.group, p.n, None)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(logits.to(torch.bfloat16), rounded)
+    assert not torch.equal(logits, rounded.float())
+
+
 def test_server_answers_a_completion_with_int8(tiny_model_dir, tmp_path):
     with ServerProcess(tiny_model_dir("llama"), "--quantization", "int8", "--max-model-len", "256",
                        log_path=tmp_path / "server.log") as server:
